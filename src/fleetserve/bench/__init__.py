@@ -1,0 +1,1 @@
+"""Workloads, load generator, reports and simulated workers."""

@@ -1,0 +1,1 @@
+"""Process groups and collectives for TP, DP attention and EP."""

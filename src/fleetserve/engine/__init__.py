@@ -1,0 +1,1 @@
+"""One inference instance: scheduler, KV cache, radix cache, HTTP API."""

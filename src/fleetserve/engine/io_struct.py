@@ -1,0 +1,107 @@
+"""Messages between the HTTP process and the scheduler process(es) (over ZMQ, pickled).
+
+The HTTP process tokenizes, sends :class:`TokenizedGenerateReq`; each scheduler
+step answers with one :class:`BatchTokenOut` carrying, per request, the tokens
+generated since the last message. Detokenization (incremental, UTF-8 safe) and
+stop-string trimming of the *text* happen in the HTTP process; the scheduler
+decides *when* a request finishes (EOS, stop token, stop string, length, abort).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReq:
+    """One generation request (one sample; ``n > 1`` arrives as ``n`` requests
+    sharing a prompt, which the radix cache turns into one prefill).
+
+    Attributes:
+        rid: unique request id.
+        input_ids: prompt token ids, each in ``[0, vocab_size)``.
+        sampling: validated sampling parameters.
+        return_logprob: return the chosen tokens' logprobs.
+        top_logprobs_num: also return this many top alternatives per position.
+        logprob_start_len: first prompt position to return logprobs for
+            (``-1``: none; ``0``: the whole prompt, as for OpenAI ``echo``).
+        stream: send tokens as they are generated (else only at the end).
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class GetStatsReq:
+    pass
+
+
+@dataclass
+class ReqOutput:
+    """What one request produced since the previous message.
+
+    Attributes:
+        rid: request id.
+        new_token_ids: tokens generated since the last message.
+        finished: this is the request's last message.
+        finish_reason: ``{"type": "stop", "matched": <token id | stop str>}``,
+            ``{"type": "length", "length": n}``, ``{"type": "abort", "message": ...}``; ``None`` while running.
+        prompt_tokens / completion_tokens / cached_tokens: counts so far
+            (``cached_tokens``: prompt tokens served from the radix cache).
+        output_logprobs: per new token, ``(logprob, token_id)``.
+        output_top_logprobs: per new token, list of ``(logprob, token_id)``, best first.
+        input_logprobs / input_top_logprobs: prompt logprobs from ``logprob_start_len``
+            (first position has logprob ``None``), sent once with the first message.
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+
+
+@dataclass
+class BatchTokenOut:
+    outputs: list[ReqOutput] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    """A scheduler's gauges and counters (for /metrics and /get_server_info)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_pool_size: int = 0
+    kv_used_tokens: int = 0
+    kv_cached_tokens: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cached_prompt_tokens_total: int = 0
+    kv_bytes_per_token: int = 0
+    dp_rank: int = 0

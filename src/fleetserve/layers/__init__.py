@@ -1,0 +1,1 @@
+"""Building blocks shared by the models: linears, attention, MLA, MoE, RoPE, norms."""

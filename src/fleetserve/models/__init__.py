@@ -1,0 +1,1 @@
+"""Model definitions (Llama, DeepSeek-V2/V3) and weight loading."""

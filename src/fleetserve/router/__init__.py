@@ -1,0 +1,1 @@
+"""Cache-aware HTTP load balancer. Never imports torch."""
