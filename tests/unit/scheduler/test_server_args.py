@@ -1,0 +1,43 @@
+"""ServerArgs: SGLang flag names parse into the dataclass; impossible values are refused."""
+
+import argparse
+
+import pytest
+
+from fleetserve.engine.args import ServerArgs
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    return ServerArgs.from_cli_args(p.parse_args(argv))
+
+
+def test_sglang_flags_parse():
+    a = parse(["--model", "/m.gguf", "--port", "8001", "--tp-size", "4", "--dp-size", "2",
+               "--enable-dp-attention", "--ep-size", "2", "--moe-a2a-backend", "all_to_all",
+               "--max-total-tokens", "4096", "--chunked-prefill-size", "-1", "--schedule-policy", "fcfs",
+               "--disable-radix-cache", "--api-key", "k", "--served-model-name", "x", "--random-seed", "7"])
+    assert a.model_path == "/m.gguf" and a.port == 8001 and a.tp_size == 4 and a.dp_size == 2
+    assert a.enable_dp_attention and a.ep_size == 2 and a.moe_a2a_backend == "all_to_all"
+    assert a.max_total_tokens == 4096 and a.chunk_size is None and a.schedule_policy == "fcfs"
+    assert a.disable_radix_cache and a.api_key == "k" and a.served_model_name == "x" and a.random_seed == 7
+    assert a.attn_tp_size == 2 and a.world_size == 4
+
+
+def test_defaults_match_dataclass():
+    assert parse([]) == ServerArgs()
+    assert ServerArgs().chunk_size == 8192 and ServerArgs().world_size == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tp_size": 3, "dp_size": 2, "enable_dp_attention": True},
+    {"tp_size": 2, "ep_size": 4},
+    {"schedule_policy": "random"},
+    {"dtype": "int4"},
+    {"nnodes": 2},
+    {"max_running_requests": 0},
+])
+def test_impossible_combinations_raise(kwargs):
+    with pytest.raises(ValueError):
+        ServerArgs(**kwargs)
