@@ -1,0 +1,403 @@
+"""The router's HTTP server (aiohttp on uvloop) and its proxy path.
+
+Endpoints (as sglang-router):
+
+* ``POST /generate``, ``/v1/completions``, ``/v1/chat/completions``: routed by
+  the policy and proxied; the client's body bytes are forwarded unchanged;
+  ``"stream": true`` responses are passed through chunk by chunk.
+* ``GET /v1/models``, ``/get_model_info``, ``/get_server_info``: from one
+  available worker.  ``POST /flush_cache``: to every worker.
+* ``GET /health`` (the router is up), ``GET /readiness`` (some worker can take
+  a request), ``GET /metrics`` (Prometheus).
+* ``POST /add_worker?url=``, ``POST /remove_worker?url=``, ``GET /list_workers``.
+
+Errors are OpenAI-style JSON ``{"error": {"message", "type", "code"}}``:
+400 malformed JSON, 413 body over ``--max-payload-size``, 503 no available
+worker, 502 every attempt failed without a worker response.
+
+Retries: a connection error, a timeout or a 5xx answer is retried on another
+worker (when there is one) after an exponential backoff with jitter, up to
+``--retry-max-retries`` attempts -- only while nothing has been sent to the
+client.  Once a streamed response has started, a failure ends the stream.
+A 4xx answer passes through unchanged and counts as a worker success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import orjson
+from aiohttp import web
+from yarl import URL
+
+from . import health
+from .circuit_breaker import CircuitBreaker
+from .config import RouterConfig
+from .metrics import RouterStats, make_registry, render
+from .policies import make_policy
+from .retry import backoff_delay_s
+from .routing_text import routing_text
+from .workers import Worker, WorkerRegistry, normalize_url
+
+log = logging.getLogger("fleetserve.router")
+
+INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_CLIENT_GONE = (ConnectionResetError, ConnectionError, aiohttp.ClientConnectionResetError)
+_JSON = "application/json"
+
+
+class _Retry:
+    """This attempt failed by the worker's fault; ``response`` is what the client gets if no retry is left."""
+
+    __slots__ = ("response",)
+
+    def __init__(self, response: web.Response) -> None:
+        self.response = response
+
+
+def json_error(status: int, message: str, err_type: str = "invalid_request_error") -> web.Response:
+    """An OpenAI-style JSON error response."""
+    body = orjson.dumps({"error": {"message": message, "type": err_type, "code": status}})
+    return web.Response(status=status, body=body, content_type=_JSON)
+
+
+class Router:
+    """Router state (workers, policy, HTTP client) and the aiohttp handlers."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.registry = WorkerRegistry()
+        self.policy = make_policy(cfg.policy, cfg)
+        self.stats = RouterStats()
+        self.metrics_registry = make_registry(self)
+        self.session: aiohttp.ClientSession | None = None
+        self._urls: dict[tuple[str, str], URL] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._max_attempts = cfg.max_attempts
+        self._rr_info = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def new_worker(self, url: str) -> Worker:
+        c = self.cfg
+        breaker = CircuitBreaker(c.cb_failure_threshold, c.cb_success_threshold, c.cb_timeout_duration_secs,
+                                 c.cb_window_duration_secs, enabled=not c.disable_circuit_breaker)
+        return Worker(normalize_url(url), breaker)
+
+    async def start(self) -> None:
+        """Open the HTTP client and start the background tasks (no worker wait)."""
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_secs),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        if not self.cfg.disable_health_check:
+            self._tasks.append(asyncio.create_task(self._health_loop()))
+        if getattr(self.policy, "tree", None) is not None:
+            self._tasks.append(asyncio.create_task(self._eviction_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks.clear()
+        if self.session is not None:
+            await self.session.close()
+
+    async def add_initial_workers(self) -> list[str]:
+        """Wait for every ``--worker-urls`` worker to be healthy and register it; return the ones that never were."""
+        c = self.cfg
+        urls = [normalize_url(u) for u in c.worker_urls]
+        if c.disable_health_check:
+            oks = [True] * len(urls)
+        else:
+            oks = await asyncio.gather(*(
+                health.wait_healthy(self.session, u, c.health_check_endpoint, c.worker_startup_timeout_secs,
+                                    c.worker_startup_check_interval, c.health_check_timeout_secs) for u in urls))
+        failed = []
+        for u, ok in zip(urls, oks):
+            if ok:
+                self.registry.add(self.new_worker(u))
+            else:
+                failed.append(u)
+        return failed
+
+    async def _health_loop(self) -> None:
+        c = self.cfg
+        while True:
+            await asyncio.sleep(c.health_check_interval_secs)
+            try:
+                await health.check_all(self.session, list(self.registry.workers), c.health_check_endpoint,
+                                       c.health_check_timeout_secs, c.health_failure_threshold,
+                                       c.health_success_threshold)
+            except Exception:  # pragma: no cover - keep checking whatever happens
+                log.exception("health check round failed")
+
+    async def _eviction_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.eviction_interval_secs)
+            dropped = self.policy.tree.evict(self.cfg.max_tree_size)
+            if dropped:
+                log.info("evicted %d chars from the routing tree", dropped)
+
+    # -------------------------------------------------------------- the app
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_payload_size)
+        r = app.router
+        for path in INFERENCE_PATHS:
+            r.add_post(path, self.handle_inference)
+        for path in ("/v1/models", "/get_model_info", "/get_server_info"):
+            r.add_get(path, self.handle_info)
+        r.add_post("/flush_cache", self.handle_flush_cache)
+        r.add_get("/health", self.handle_health)
+        r.add_get("/readiness", self.handle_readiness)
+        r.add_get("/metrics", self.handle_metrics)
+        r.add_post("/add_worker", self.handle_add_worker)
+        r.add_post("/remove_worker", self.handle_remove_worker)
+        r.add_get("/list_workers", self.handle_list_workers)
+        return app
+
+    def _url(self, worker: Worker, path: str) -> URL:
+        key = (worker.url, path)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = URL(worker.url + path)
+        return url
+
+    # ------------------------------------------------------- proxy handlers
+    async def handle_inference(self, request: web.Request) -> web.StreamResponse:
+        length = request.content_length
+        if length is not None and length > self.cfg.max_payload_size:
+            self.stats.bad_requests += 1
+            return json_error(413, f"request body of {length} bytes exceeds --max-payload-size "
+                                   f"{self.cfg.max_payload_size}")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.stats.bad_requests += 1
+            return json_error(413, f"request body exceeds --max-payload-size {self.cfg.max_payload_size}")
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            self.stats.bad_requests += 1
+            return json_error(400, f"malformed JSON body: {e}")
+        if type(body) is not dict:
+            self.stats.bad_requests += 1
+            return json_error(400, "the request body must be a JSON object")
+        path = request.path
+        text = routing_text(path, body)
+        return await self._forward(request, path, raw, text, body.get("stream") is True)
+
+    async def _forward(self, request: web.Request, path: str, raw: bytes, text: str,
+                       stream: bool) -> web.StreamResponse:
+        cfg = self.cfg
+        stats = self.stats
+        policy = self.policy
+        headers = {"Content-Type": _JSON}
+        auth = request.headers.get("Authorization")
+        if auth is not None:
+            headers["Authorization"] = auth
+        tried: list[Worker] = []
+        failure: web.Response | None = None
+        attempt = 0
+        while True:
+            attempt += 1
+            t0 = time.perf_counter()
+            workers = self.registry.available()
+            if tried and len(workers) > 1:
+                fresh = [w for w in workers if w not in tried]
+                if fresh:
+                    workers = fresh
+            worker = policy.select(workers, text)
+            stats.observe_decision(time.perf_counter() - t0)
+            if worker is None:
+                stats.no_worker += 1
+                if failure is None:
+                    return json_error(503, "no healthy worker available", "service_unavailable")
+                return failure
+            result = await self._attempt(request, worker, path, raw, headers, stream)
+            if type(result) is not _Retry:
+                return result
+            tried.append(worker)
+            failure = result.response
+            if attempt >= self._max_attempts:
+                return failure
+            stats.retries += 1
+            await asyncio.sleep(backoff_delay_s(attempt, cfg.retry_initial_backoff_ms, cfg.retry_max_backoff_ms,
+                                                cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
+
+    async def _attempt(self, request: web.Request, worker: Worker, path: str, raw: bytes, headers: dict,
+                       stream: bool):
+        """One upstream attempt.  Returns the client's response, or a :class:`_Retry`."""
+        worker.load += 1
+        worker.requests += 1
+        resp = None
+        try:
+            try:
+                resp = await self.session.post(self._url(worker, path), data=raw, headers=headers)
+                status = resp.status
+                if status >= 500:
+                    data = await resp.read()
+                    self._fail(worker)
+                    return _Retry(web.Response(status=status, body=data,
+                                               headers={"Content-Type": resp.headers.get("Content-Type", _JSON)}))
+                if not stream or resp.content_type != "text/event-stream":
+                    data = await resp.read()
+                    worker.breaker.record_success()
+                    return web.Response(status=status, body=data,
+                                        headers={"Content-Type": resp.headers.get("Content-Type", _JSON)})
+            except _UPSTREAM_ERRORS as e:
+                self._fail(worker)
+                msg = f"{worker.url}: {type(e).__name__}: {e}"
+                return _Retry(json_error(502, f"upstream request failed: {msg}", "bad_gateway"))
+            # streaming: from here on bytes reach the client, so no retry
+            return await self._stream(request, worker, resp)
+        finally:
+            worker.load -= 1
+            if resp is not None:
+                resp.release()
+
+    async def _stream(self, request: web.Request, worker: Worker, resp: aiohttp.ClientResponse):
+        out = web.StreamResponse(status=resp.status, headers={
+            "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+        })
+        try:
+            await out.prepare(request)
+        except _CLIENT_GONE:
+            return out
+        upstream_ok = True
+        try:
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except _UPSTREAM_ERRORS:
+                    upstream_ok = False
+                    break
+                if not chunk:
+                    break
+                await out.write(chunk)
+            await out.write_eof()
+        except _CLIENT_GONE:
+            pass  # the client went away; the finally in _attempt releases the worker
+        if upstream_ok:
+            worker.breaker.record_success()
+        else:
+            self._fail(worker)
+        return out
+
+    @staticmethod
+    def _fail(worker: Worker) -> None:
+        worker.failures += 1
+        worker.breaker.record_failure()
+
+    # ------------------------------------------------------- info handlers
+    async def handle_info(self, request: web.Request) -> web.Response:
+        workers = self.registry.available()
+        if not workers:
+            return json_error(503, "no healthy worker available", "service_unavailable")
+        last = None
+        for i in range(len(workers)):
+            worker = workers[(self._rr_info + i) % len(workers)]
+            try:
+                async with self.session.get(self._url(worker, request.path),
+                                            timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    data = await resp.read()
+                    if resp.status < 500:
+                        self._rr_info += 1
+                        return web.Response(status=resp.status, body=data,
+                                            headers={"Content-Type": resp.headers.get("Content-Type", _JSON)})
+                    last = f"{worker.url} answered {resp.status}"
+            except _UPSTREAM_ERRORS as e:
+                last = f"{worker.url}: {type(e).__name__}"
+        return json_error(502, f"no worker answered {request.path}: {last}", "bad_gateway")
+
+    async def handle_flush_cache(self, request: web.Request) -> web.Response:
+        workers = list(self.registry.workers)
+
+        async def one(w: Worker):
+            try:
+                async with self.session.post(self._url(w, "/flush_cache"),
+                                             timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    await resp.read()
+                    return resp.status
+            except _UPSTREAM_ERRORS as e:
+                return f"{type(e).__name__}"
+
+        results = await asyncio.gather(*(one(w) for w in workers))
+        per = {w.url: s for w, s in zip(workers, results)}
+        ok = all(isinstance(s, int) and s < 300 for s in results)
+        return web.Response(status=200 if ok else 500, content_type=_JSON,
+                            body=orjson.dumps({"success": ok, "workers": per}))
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200, content_type=_JSON, body=b'{"status":"ok"}')
+
+    async def handle_readiness(self, request: web.Request) -> web.Response:
+        n = len(self.registry.available())
+        body = orjson.dumps({"ready": n > 0, "available_workers": n, "workers": len(self.registry)})
+        return web.Response(status=200 if n else 503, content_type=_JSON, body=body)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=render(self.metrics_registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # --------------------------------------------------- worker management
+    async def handle_add_worker(self, request: web.Request) -> web.Response:
+        raw = request.query.get("url")
+        if not raw:
+            return json_error(400, "missing ?url= query parameter")
+        try:
+            url = normalize_url(raw)
+            if not URL(url).host:
+                raise ValueError("no host")
+        except ValueError as e:
+            return json_error(400, f"bad worker url: {e}")
+        if self.registry.get(url) is not None:
+            return json_error(400, f"worker {url} is already registered")
+        c = self.cfg
+        if not c.disable_health_check:
+            ok = await health.wait_healthy(self.session, url, c.health_check_endpoint,
+                                           c.worker_startup_timeout_secs, c.worker_startup_check_interval,
+                                           c.health_check_timeout_secs)
+            if not ok:
+                return json_error(503, f"worker {url} did not become healthy within "
+                                       f"{c.worker_startup_timeout_secs} s", "service_unavailable")
+        if not self.registry.add(self.new_worker(url)):
+            return json_error(400, f"worker {url} is already registered")
+        log.info("added worker %s", url)
+        return web.Response(status=200, content_type=_JSON,
+                            body=orjson.dumps({"success": True, "message": f"added worker {url}"}))
+
+    async def handle_remove_worker(self, request: web.Request) -> web.Response:
+        raw = request.query.get("url")
+        if not raw:
+            return json_error(400, "missing ?url= query parameter")
+        try:
+            worker = self.registry.remove(raw)
+        except ValueError as e:
+            return json_error(400, f"bad worker url: {e}")
+        if worker is None:
+            return json_error(404, f"worker {raw} is not registered", "not_found_error")
+        self.policy.on_worker_removed(worker.url)
+        self._urls = {k: v for k, v in self._urls.items() if k[0] != worker.url}
+        log.info("removed worker %s (%d requests still in flight)", worker.url, worker.load)
+        return web.Response(status=200, content_type=_JSON,
+                            body=orjson.dumps({"success": True, "message": f"removed worker {worker.url}"}))
+
+    async def handle_list_workers(self, request: web.Request) -> web.Response:
+        body = {
+            "urls": self.registry.urls(),
+            "workers": [{"url": w.url, "healthy": w.healthy, "load": w.load, "circuit": w.breaker.state}
+                        for w in self.registry.workers],
+        }
+        return web.Response(status=200, content_type=_JSON, body=orjson.dumps(body))

@@ -1,0 +1,71 @@
+"""Worker health: the start-up wait and the periodic active checks.
+
+A check is ``GET <worker><--health-check-endpoint>`` answered 2xx within
+``--health-check-timeout-secs``.  A healthy worker becomes unhealthy after
+``--health-failure-threshold`` failed checks in a row, and an unhealthy one
+healthy again after ``--health-success-threshold`` good checks in a row.
+Checks never touch a worker's load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from .workers import Worker
+
+log = logging.getLogger("fleetserve.router")
+
+
+async def probe(session: aiohttp.ClientSession, url: str, endpoint: str, timeout_s: float) -> bool:
+    """True if ``url + endpoint`` answers 2xx within ``timeout_s`` seconds."""
+    try:
+        async with session.get(url + endpoint, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            await resp.read()
+            return 200 <= resp.status < 300
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, endpoint: str, timeout_s: float,
+                       interval_s: float, probe_timeout_s: float) -> bool:
+    """Poll ``url`` until it is healthy (True) or ``timeout_s`` seconds passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if await probe(session, url, endpoint, max(0.05, min(probe_timeout_s, left))):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(interval_s, left))
+
+
+def record_check(worker: Worker, ok: bool, failure_threshold: int, success_threshold: int) -> bool | None:
+    """Apply one check result; return the new ``healthy`` value if it changed, else None."""
+    if ok:
+        worker.health_failures = 0
+        worker.health_successes += 1
+        if not worker.healthy and worker.health_successes >= success_threshold:
+            worker.healthy = True
+            return True
+    else:
+        worker.health_successes = 0
+        worker.health_failures += 1
+        if worker.healthy and worker.health_failures >= failure_threshold:
+            worker.healthy = False
+            return False
+    return None
+
+
+async def check_all(session: aiohttp.ClientSession, workers: list[Worker], endpoint: str, timeout_s: float,
+                    failure_threshold: int, success_threshold: int) -> None:
+    """One round of checks over ``workers``, concurrently."""
+    results = await asyncio.gather(*(probe(session, w.url, endpoint, timeout_s) for w in workers))
+    for w, ok in zip(workers, results):
+        changed = record_check(w, ok, failure_threshold, success_threshold)
+        if changed is not None:
+            log.warning("worker %s is now %s", w.url, "healthy" if changed else "UNHEALTHY")

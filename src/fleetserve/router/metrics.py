@@ -1,0 +1,103 @@
+"""Prometheus metrics of the router, collected at scrape time.
+
+The request path only bumps plain integers (``Worker.requests``,
+``Worker.failures``, ``RouterStats``) and one bucket counter; this collector
+turns them into Prometheus families when ``/metrics`` is scraped, so no
+prometheus-client lock is taken per request.
+
+Families (prefix ``fleetserve_router_``):
+
+* ``requests_total{worker}``: upstream attempts sent to each worker.
+* ``failures_total{worker}``: attempts that failed by the worker's fault
+  (connection error, timeout, 5xx).
+* ``retries_total``: attempts after the first.
+* ``inflight_requests{worker}``: the load used for routing.
+* ``worker_healthy{worker}``: 1 healthy, 0 not.
+* ``tree_size_chars{worker}``: characters the cache_aware tree holds for each worker.
+* ``cache_decisions_total{result}``: cache_aware ``hit`` / ``miss`` / ``balanced``.
+* ``routing_decision_seconds``: histogram of the time to choose a worker.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+DECISION_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 2.5e-2)
+
+
+class RouterStats:
+    """Plain counters bumped on the request path."""
+
+    __slots__ = ("retries", "no_worker", "bad_requests", "decision_counts", "decision_sum")
+
+    def __init__(self) -> None:
+        self.retries = 0
+        self.no_worker = 0
+        self.bad_requests = 0
+        self.decision_counts = [0] * (len(DECISION_BUCKETS_S) + 1)
+        self.decision_sum = 0.0
+
+    def observe_decision(self, seconds: float) -> None:
+        self.decision_counts[bisect.bisect_left(DECISION_BUCKETS_S, seconds)] += 1
+        self.decision_sum += seconds
+
+
+class RouterCollector:
+    """prometheus-client custom collector reading a router's live state."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+
+    def collect(self):
+        r = self.router
+        workers = list(r.registry.workers)
+        req = CounterMetricFamily("fleetserve_router_requests", "Upstream attempts per worker", labels=["worker"])
+        fail = CounterMetricFamily("fleetserve_router_failures", "Failed upstream attempts per worker",
+                                   labels=["worker"])
+        infl = GaugeMetricFamily("fleetserve_router_inflight_requests", "Requests in flight per worker",
+                                 labels=["worker"])
+        healthy = GaugeMetricFamily("fleetserve_router_worker_healthy", "1 if the worker is healthy",
+                                    labels=["worker"])
+        tree = GaugeMetricFamily("fleetserve_router_tree_size_chars", "Characters in the routing tree per worker",
+                                 labels=["worker"])
+        policy = r.policy
+        ptree = getattr(policy, "tree", None)
+        for w in workers:
+            req.add_metric([w.url], w.requests)
+            fail.add_metric([w.url], w.failures)
+            infl.add_metric([w.url], w.load)
+            healthy.add_metric([w.url], 1 if w.healthy else 0)
+            tree.add_metric([w.url], ptree.tenant_size(w.url) if ptree is not None else 0)
+        yield from (req, fail, infl, healthy, tree)
+        yield CounterMetricFamily("fleetserve_router_retries", "Upstream attempts after the first",
+                                  value=r.stats.retries)
+        yield CounterMetricFamily("fleetserve_router_no_worker", "Requests answered 503: no available worker",
+                                  value=r.stats.no_worker)
+        dec = CounterMetricFamily("fleetserve_router_cache_decisions", "cache_aware decisions", labels=["result"])
+        for label, attr in (("hit", "hits"), ("miss", "misses"), ("balanced", "balanced")):
+            dec.add_metric([label], getattr(policy, attr, 0))
+        yield dec
+        counts = r.stats.decision_counts
+        buckets, acc = [], 0
+        for bound, c in zip(DECISION_BUCKETS_S, counts):
+            acc += c
+            buckets.append((repr(bound), acc))
+        acc += counts[-1]
+        buckets.append(("+Inf", acc))
+        yield HistogramMetricFamily("fleetserve_router_routing_decision_seconds", "Time to choose a worker",
+                                    buckets=buckets, sum_value=r.stats.decision_sum)
+
+
+def make_registry(router) -> CollectorRegistry:
+    """A fresh registry holding only this router's collector."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(RouterCollector(router))
+    return reg
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """Prometheus text exposition of ``registry``."""
+    return generate_latest(registry)

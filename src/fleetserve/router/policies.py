@@ -1,0 +1,178 @@
+"""Routing policies: pick one worker for a request.
+
+Every policy has ``select(workers, text) -> Worker | None`` (``workers``: the
+available ones, non-empty or None is returned) and ``on_worker_removed(url)``.
+
+* ``round_robin``: the next worker in turn.
+* ``random``: uniform.
+* ``power_of_two``: two distinct random workers, the less loaded one.
+* ``cache_aware`` (default): see :class:`CacheAwarePolicy`.
+
+Ties between equally loaded workers go to the one holding the fewest tree
+characters, then to registration order, so new prompts spread out.
+"""
+
+from __future__ import annotations
+
+import random as _random
+
+from .radix_tree import RadixTree
+from .workers import Worker
+
+
+def least_loaded(workers: list[Worker], tree: RadixTree | None = None) -> Worker:
+    """The worker with the fewest in-flight requests (ties: smaller tree, then first)."""
+    best = workers[0]
+    best_load = best.load
+    for w in workers[1:]:
+        if w.load < best_load:
+            best, best_load = w, w.load
+    if tree is not None:
+        ties = [w for w in workers if w.load == best_load]
+        if len(ties) > 1:
+            size = tree.tenant_size
+            best = min(ties, key=lambda w: size(w.url))
+    return best
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, workers: list[Worker], text: str) -> Worker | None:
+        if not workers:
+            return None
+        i = self._next % len(workers)
+        self._next = i + 1
+        return workers[i]
+
+    def on_worker_removed(self, url: str) -> None:
+        pass
+
+
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, rng: _random.Random | None = None) -> None:
+        self._rng = rng or _random.Random()
+
+    def select(self, workers: list[Worker], text: str) -> Worker | None:
+        return self._rng.choice(workers) if workers else None
+
+    def on_worker_removed(self, url: str) -> None:
+        pass
+
+
+class PowerOfTwoPolicy:
+    name = "power_of_two"
+
+    def __init__(self, rng: _random.Random | None = None) -> None:
+        self._rng = rng or _random.Random()
+
+    def select(self, workers: list[Worker], text: str) -> Worker | None:
+        if not workers:
+            return None
+        if len(workers) == 1:
+            return workers[0]
+        a, b = self._rng.sample(workers, 2)
+        return b if b.load < a.load else a
+
+    def on_worker_removed(self, url: str) -> None:
+        pass
+
+
+class CacheAwarePolicy:
+    """Cache-aware routing over one shared :class:`RadixTree`.
+
+    For each request, with ``loads`` the in-flight counts of the available workers:
+
+    1. imbalanced, if ``max - min > abs_threshold`` and ``max > min * rel_threshold``:
+       the least-loaded worker;
+    2. else match ``text`` in the tree; if ``matched / len(text) > cache_threshold``
+       and an available worker owns the matched node: the least loaded of those owners
+       (a *hit*);
+    3. else (a *miss*): the least-loaded worker, or with
+       ``cache_miss_fallback="smallest_tree"`` the worker holding the fewest characters.
+
+    The text is inserted under the chosen worker in every branch.  Empty text is
+    no key: step 1 / the fallback decide and nothing is inserted.  Parameters and
+    defaults follow sglang-router (cache 0.3, abs 64, rel 1.5).
+    ``hits`` / ``misses`` / ``balanced`` count decisions for metrics.
+    """
+
+    name = "cache_aware"
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, cache_miss_fallback: str = "least_loaded",
+                 tree: RadixTree | None = None) -> None:
+        self.cache_threshold = cache_threshold
+        self.abs_threshold = balance_abs_threshold
+        self.rel_threshold = balance_rel_threshold
+        self.smallest_tree = cache_miss_fallback == "smallest_tree"
+        self.tree = tree or RadixTree()
+        self.hits = 0
+        self.misses = 0
+        self.balanced = 0
+
+    def select(self, workers: list[Worker], text: str) -> Worker | None:
+        if not workers:
+            return None
+        tree = self.tree
+        if len(workers) == 1:
+            chosen = workers[0]
+            # still a decision for metrics: did the tree predict it?
+        else:
+            lo = hi = workers[0].load
+            for w in workers:
+                load = w.load
+                if load < lo:
+                    lo = load
+                elif load > hi:
+                    hi = load
+            if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
+                self.balanced += 1
+                chosen = least_loaded(workers, tree)
+                if text:
+                    tree.insert(text, chosen.url)
+                return chosen
+            chosen = None
+        if text:
+            matched, owners = tree.match(text)
+            if owners and matched / len(text) > self.cache_threshold:
+                cands = [w for w in workers if w.url in owners]
+                if cands:
+                    self.hits += 1
+                    chosen = cands[0] if len(cands) == 1 else least_loaded(cands)
+                    tree.insert(text, chosen.url)
+                    return chosen
+        self.misses += 1
+        if chosen is None:
+            if self.smallest_tree:
+                size = tree.tenant_size
+                chosen = min(workers, key=lambda w: size(w.url))
+            else:
+                chosen = least_loaded(workers, tree)
+        if text:
+            tree.insert(text, chosen.url)
+        return chosen
+
+    def on_worker_removed(self, url: str) -> None:
+        self.tree.remove_tenant(url)
+
+
+def make_policy(name: str, cfg=None):
+    """Build the policy ``name``; ``cfg`` is a RouterConfig for cache_aware's parameters."""
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "random":
+        return RandomPolicy()
+    if name == "power_of_two":
+        return PowerOfTwoPolicy()
+    if name == "cache_aware":
+        if cfg is None:
+            return CacheAwarePolicy()
+        return CacheAwarePolicy(cfg.cache_threshold, cfg.balance_abs_threshold, cfg.balance_rel_threshold,
+                                cfg.cache_miss_fallback)
+    raise ValueError(f"unknown policy {name!r}")

@@ -1,0 +1,83 @@
+"""The registry of workers and their per-request load.
+
+``Worker.load`` is the number of requests in flight through this router to
+that worker: the proxy increments it right before the upstream send and
+decrements it exactly once in a ``finally`` when the response ends, fails,
+times out or the client goes away.  Health checks never touch it.
+"""
+
+from __future__ import annotations
+
+from .circuit_breaker import CircuitBreaker
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port``.  Raises ``ValueError`` on empty input."""
+    url = url.strip()
+    if not url:
+        raise ValueError("empty worker URL")
+    if "://" not in url:
+        url = "http://" + url
+    return url.rstrip("/")
+
+
+class Worker:
+    """One upstream server.  ``url`` is its base URL and its tenant name in the radix tree."""
+
+    __slots__ = ("url", "load", "healthy", "breaker", "health_failures", "health_successes",
+                 "requests", "failures", "removed")
+
+    def __init__(self, url: str, breaker: CircuitBreaker | None = None) -> None:
+        self.url = url
+        self.load = 0
+        self.healthy = True
+        self.breaker = breaker or CircuitBreaker()
+        self.health_failures = 0
+        self.health_successes = 0
+        self.requests = 0
+        self.failures = 0
+        self.removed = False
+
+    def available(self) -> bool:
+        """Healthy, not removed, and its circuit lets a request through."""
+        return self.healthy and not self.removed and self.breaker.allows()
+
+    def __repr__(self) -> str:
+        return f"Worker({self.url!r}, load={self.load}, healthy={self.healthy})"
+
+
+class WorkerRegistry:
+    """Workers in registration order.  Mutated only on the event loop thread."""
+
+    def __init__(self) -> None:
+        self._by_url: dict[str, Worker] = {}
+        self.workers: list[Worker] = []  # read-only view for the hot path; replaced on change
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def get(self, url: str) -> Worker | None:
+        return self._by_url.get(normalize_url(url))
+
+    def add(self, worker: Worker) -> bool:
+        """Register ``worker``; False if its URL is already present."""
+        if worker.url in self._by_url:
+            return False
+        self._by_url[worker.url] = worker
+        self.workers = [*self.workers, worker]
+        return True
+
+    def remove(self, url: str) -> Worker | None:
+        """Unregister the worker at ``url`` (its in-flight requests still finish); None if unknown."""
+        worker = self._by_url.pop(normalize_url(url), None)
+        if worker is not None:
+            worker.removed = True
+            self.workers = [w for w in self.workers if w is not worker]
+        return worker
+
+    def available(self) -> list[Worker]:
+        """Workers that may take a request now, in registration order."""
+        return [w for w in self.workers if w.healthy and w.breaker.allows()]
+
+    def urls(self) -> list[str]:
+        return [w.url for w in self.workers]
