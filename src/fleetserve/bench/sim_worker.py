@@ -1,0 +1,348 @@
+"""``fleetserve sim-worker``: simulated engine workers speaking the engine's HTTP API.
+
+Each worker is an aiohttp server with ``/v1/completions``,
+``/v1/chat/completions``, ``/generate`` (streaming or not), ``/health``,
+``/v1/models``, ``/get_server_info``, ``/get_load``, ``/metrics`` and
+``/flush_cache``. Behind it a :class:`~fleetserve.bench.sim_engine.SimEngine`
+keeps the engine's real radix cache and answers after the modelled service
+time. Usage reports ``prompt_tokens_details.cached_tokens`` like a real worker.
+
+One process can host many workers: ``--num-workers N`` opens ports
+``--port .. --port + N - 1``, all on one event loop.
+
+Worker identity: every response carries the header ``X-Fleetserve-Worker`` and
+a top-level ``"worker_id"`` field (in the usage chunk when streaming), so the
+bench can attribute hits to workers through any router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from fleetserve.bench import timing_model
+from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
+from fleetserve.bench.sim_tokenizer import make_tokenizer
+
+WORKER_HEADER = "X-Fleetserve-Worker"
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "internal_server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                             status=status)
+
+
+def _positive_int(body: dict, key: str, default: int) -> int:
+    v = body.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{key} must be a positive integer")
+    return v
+
+
+class SimWorker:
+    """One simulated worker: an HTTP app around a :class:`SimEngine`."""
+
+    def __init__(self, engine: SimEngine, tokenizer, model_name: str, stream_interval: int, url: str):
+        self.engine = engine
+        self.tok = tokenizer
+        self.model_name = model_name
+        self.stream_interval = stream_interval
+        self.url = url
+        self.app = web.Application(client_max_size=256 * 1024 * 1024)
+        r = self.app.router
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat)
+        r.add_post("/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/get_load", self.get_load)
+        r.add_get("/metrics", self.metrics)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+
+    # ----------------------------------------------------------- small routes
+    async def health(self, _req: web.Request) -> web.Response:
+        return web.Response(text="OK", headers={WORKER_HEADER: self.engine.name})
+
+    async def models(self, _req: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "fleetserve-sim",
+             "max_model_len": self.engine.model.max_total_tokens}]})
+
+    async def server_info(self, _req: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_name, "worker_id": self.engine.name, "url": self.url,
+                                  "tokenizer": self.tok.name, "stream_interval": self.stream_interval,
+                                  "timing_model": self.engine.model.to_dict(), "stats": dict(self.engine.stats),
+                                  "load": self.engine.load()})
+
+    async def get_load(self, _req: web.Request) -> web.Response:
+        return web.json_response(self.engine.load())
+
+    async def metrics(self, _req: web.Request) -> web.Response:
+        s, ld, w = self.engine.stats, self.engine.load(), self.engine.name
+        lines = []
+        for key, kind in (("num_requests", "counter"), ("prompt_tokens", "counter"), ("cached_tokens", "counter"),
+                          ("generation_tokens", "counter")):
+            lines += [f"# TYPE fleetserve:{key}_total {kind}", f'fleetserve:{key}_total{{worker="{w}"}} {s[key]}']
+        for key in ("num_running_reqs", "num_waiting_reqs", "cache_tokens"):
+            lines += [f"# TYPE fleetserve:{key} gauge", f'fleetserve:{key}{{worker="{w}"}} {ld[key]}']
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def flush_cache(self, _req: web.Request) -> web.Response:
+        if self.engine.flush_cache():
+            return web.Response(text="Cache flushed.\n")
+        return _error(400, "cannot flush the cache while requests are queued or running")
+
+    # ----------------------------------------------------------- generation
+    async def _body(self, req: web.Request) -> dict:
+        try:
+            body = await req.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise ValueError("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ValueError("request body must be a JSON object")
+        return body
+
+    def _new_request(self, input_ids: list[int], max_new: int) -> SimRequest:
+        out_ids, pieces = self.tok.synth_output(input_ids, max_new)
+        return SimRequest(rid=uuid.uuid4().hex, input_ids=input_ids, max_new_tokens=max_new, output_ids=out_ids,
+                          output_pieces=pieces, stream_interval=self.stream_interval)
+
+    async def completions(self, req: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(req)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                ids = self.tok.encode(prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in prompt):
+                ids = list(prompt)
+            else:
+                raise ValueError("prompt must be a non-empty string or a list of token ids")
+            max_new = _positive_int(body, "max_tokens", 16)
+        except ValueError as e:
+            return _error(400, str(e))
+        return await self._serve_openai(req, body, ids, max_new, chat=False)
+
+    async def chat(self, req: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(req)
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
+                raise ValueError("messages must be a non-empty list of {role, content} objects")
+            ids = self.tok.encode_chat(msgs)
+            max_new = _positive_int(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None
+                                    else "max_tokens", 128)
+        except ValueError as e:
+            return _error(400, str(e))
+        return await self._serve_openai(req, body, ids, max_new, chat=True)
+
+    async def generate(self, req: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(req)
+            if isinstance(body.get("text"), str):
+                ids = self.tok.encode(body["text"])
+            elif isinstance(body.get("input_ids"), list) and body["input_ids"] and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in body["input_ids"]):
+                ids = list(body["input_ids"])
+            else:
+                raise ValueError("give text (a string) or input_ids (a non-empty list of ints)")
+            sp = body.get("sampling_params") or {}
+            if not isinstance(sp, dict):
+                raise ValueError("sampling_params must be an object")
+            max_new = _positive_int(sp, "max_new_tokens", 128)
+        except ValueError as e:
+            return _error(400, str(e))
+        r = self._new_request(ids, max_new)
+        try:
+            self.engine.submit(r)
+        except (RequestTooLong, ValueError) as e:
+            return _error(400, str(e))
+        headers = {WORKER_HEADER: self.engine.name}
+
+        def meta(done: bool) -> dict:
+            return {"id": r.rid, "prompt_tokens": len(ids), "completion_tokens": r.sent,
+                    "cached_tokens": r.cached_tokens, "worker_id": self.engine.name,
+                    "finish_reason": {"type": "length", "length": r.sent} if done else None,
+                    "e2e_latency": time.monotonic() - r.arrival}
+
+        if not body.get("stream"):
+            await self._drain(r)
+            return web.json_response({"text": "".join(r.output_pieces[:r.sent]), "output_ids": r.output_ids[:r.sent],
+                                      "meta_info": meta(True)}, headers=headers)
+        resp = await self._start_sse(req, headers)
+        try:
+            while True:
+                _ids, _pieces, done = await r.events.get()
+                payload = {"text": "".join(r.output_pieces[:r.sent]), "output_ids": r.output_ids[:r.sent],
+                           "meta_info": meta(done)}
+                await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+                if done:
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.engine.abort(r)
+            raise
+        return resp
+
+    async def _drain(self, r: SimRequest) -> None:
+        try:
+            while True:
+                _ids, _pieces, done = await r.events.get()
+                if done:
+                    return
+        except asyncio.CancelledError:
+            self.engine.abort(r)
+            raise
+
+    async def _start_sse(self, req: web.Request, headers: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **headers})
+        await resp.prepare(req)
+        return resp
+
+    async def _serve_openai(self, req: web.Request, body: dict, ids: list[int], max_new: int,
+                            chat: bool) -> web.StreamResponse:
+        r = self._new_request(ids, max_new)
+        try:
+            self.engine.submit(r)
+        except (RequestTooLong, ValueError) as e:
+            return _error(400, str(e))
+        headers = {WORKER_HEADER: self.engine.name}
+        created = int(time.time())
+        rid = ("chatcmpl-" if chat else "cmpl-") + r.rid
+        obj = "chat.completion" if chat else "text_completion"
+
+        def usage() -> dict:
+            return {"prompt_tokens": len(ids), "completion_tokens": r.sent, "total_tokens": len(ids) + r.sent,
+                    "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+        if not body.get("stream"):
+            await self._drain(r)
+            text = "".join(r.output_pieces[:r.sent])
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
+            return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                      "choices": [choice], "usage": usage(), "worker_id": self.engine.name},
+                                     headers=headers)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = await self._start_sse(req, headers)
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(choices: list, **extra: Any) -> None:
+            data = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
+                    "choices": choices, **extra}
+            await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+        try:
+            first = True
+            while True:
+                _ids, pieces, done = await r.events.get()
+                text = "".join(pieces)
+                if chat:
+                    delta = {"role": "assistant", "content": text} if first else {"content": text}
+                    await send([{"index": 0, "delta": delta, "finish_reason": "length" if done else None}])
+                else:
+                    await send([{"index": 0, "text": text, "logprobs": None,
+                                 "finish_reason": "length" if done else None}])
+                first = False
+                if done:
+                    break
+            if include_usage:
+                await send([], usage=usage(), worker_id=self.engine.name)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.engine.abort(r)
+            raise
+        return resp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fleetserve sim-worker", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=31000, help="port of the first worker")
+    p.add_argument("--num-workers", type=int, default=1, help="workers hosted by this process, on consecutive ports")
+    p.add_argument("--model-name", default="sim-llama-8b", help="model id reported by /v1/models and responses")
+    p.add_argument("--tokenizer", choices=("word", "smollm2"), default="word",
+                   help="word: one token per word (fast); smollm2: the real tokenizer (slow to load)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="decode steps between streamed chunks (SGLang's --stream-interval); the first token is "
+                        "always sent at once")
+    timing_model.add_arguments(p)
+    return p
+
+
+async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run ``args.num_workers`` workers until ``stop`` is set (or forever)."""
+    model = timing_model.from_args(args)
+    tok = make_tokenizer(args.tokenizer)
+    runners: list[web.AppRunner] = []
+    engines: list[SimEngine] = []
+    for i in range(args.num_workers):
+        port = args.port + i
+        url = f"http://{args.host}:{port}"
+        eng = SimEngine(model, name=f"{args.host}:{port}")
+        eng.start()
+        worker = SimWorker(eng, tok, args.model_name, args.stream_interval, url)
+        runner = web.AppRunner(worker.app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, port, backlog=4096).start()
+        runners.append(runner)
+        engines.append(eng)
+    print(f"sim-worker: {args.num_workers} worker(s) on http://{args.host}:{args.port}"
+          f"..{args.port + args.num_workers - 1} ({args.profile}, time_scale={model.time_scale})", flush=True)
+    if ready is not None:
+        ready.set()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+    try:
+        await stop.wait()
+    finally:
+        for r in runners:
+            await r.cleanup()
+        for e in engines:
+            await e.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.num_workers < 1 or args.stream_interval < 1:
+        print("--num-workers and --stream-interval must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        asyncio.run(serve(args))
+    except ValueError as e:
+        print(f"sim-worker: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
