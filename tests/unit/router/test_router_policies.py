@@ -1,0 +1,132 @@
+"""Routing decisions of each policy on hand-built worker states."""
+
+import random
+
+import pytest
+
+from fleetserve.router.config import RouterConfig
+from fleetserve.router.policies import (CacheAwarePolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy,
+                                        least_loaded, make_policy)
+from fleetserve.router.workers import Worker
+
+
+def workers(*loads):
+    ws = [Worker(f"http://w{i}") for i in range(len(loads))]
+    for w, load in zip(ws, loads):
+        w.load = load
+    return ws
+
+
+def test_imbalance_sends_to_least_loaded_even_on_a_cache_hit():
+    p = CacheAwarePolicy(balance_abs_threshold=4, balance_rel_threshold=1.5)
+    ws = workers(10, 2, 5)
+    p.tree.insert("a long shared system prompt", "http://w0")
+    # 10 - 2 > 4 and 10 > 2 * 1.5: imbalanced
+    assert p.select(ws, "a long shared system prompt, question 1").url == "http://w1"
+    assert p.balanced == 1 and p.hits == 0
+    # the text was inserted under the chosen worker
+    assert p.tree.prefix_match_tenant("a long shared system prompt, question 1", "http://w1") == 39
+
+
+@pytest.mark.parametrize("loads", [(10, 7, 8), (70, 50, 60)])
+def test_not_imbalanced_when_either_threshold_fails(loads):
+    # (10,7): diff 3 <= abs 4; (70,50): diff 20 > 4 but 70 <= 50*1.5
+    p = CacheAwarePolicy(balance_abs_threshold=4, balance_rel_threshold=1.5)
+    ws = workers(*loads)
+    p.tree.insert("hello world", "http://w0")
+    assert p.select(ws, "hello world!").url == "http://w0"
+    assert p.hits == 1 and p.balanced == 0
+
+
+def test_match_above_threshold_goes_to_owner_below_goes_to_least_loaded():
+    p = CacheAwarePolicy(cache_threshold=0.5)
+    ws = workers(3, 1, 2)
+    p.tree.insert("abcdefgh", "http://w0")
+    # 6 of 10 chars matched: 0.6 > 0.5 -> owner w0 despite its higher load
+    assert p.select(ws, "abcdefXXXX").url == "http://w0"
+    # 4 of 10 matched: 0.4 <= 0.5 -> miss -> least loaded w1
+    assert p.select(ws, "abcdYYYYYY").url == "http://w1"
+    assert (p.hits, p.misses) == (1, 1)
+    # exactly at the threshold is a miss (strictly greater is required)
+    assert p.select(ws, "abcdeZZZZZ").url == "http://w1"
+    assert p.misses == 2
+
+
+def test_several_owners_least_loaded_owner_wins():
+    p = CacheAwarePolicy()
+    ws = workers(5, 0, 3)
+    p.tree.insert("shared prompt", "http://w0")
+    p.tree.insert("shared prompt", "http://w2")
+    assert p.select(ws, "shared prompt").url == "http://w2"  # w1 is idler but holds nothing
+
+
+def test_miss_ties_break_by_smaller_tree_then_order():
+    p = CacheAwarePolicy()
+    ws = workers(0, 0, 0)
+    p.tree.insert("xxxxxxxxxxxxxxxx", "http://w0")
+    p.tree.insert("yyyy", "http://w1")
+    assert p.select(ws, "brand new prompt").url == "http://w2"
+    assert least_loaded(workers(1, 1)).url == "http://w0"
+
+
+def test_smallest_tree_fallback_ignores_load():
+    p = CacheAwarePolicy(cache_miss_fallback="smallest_tree")
+    ws = workers(0, 9, 0)
+    p.tree.insert("aaaaaaaaaa", "http://w0")
+    p.tree.insert("bbbbbbbbbbbbbbbbbbbb", "http://w2")
+    assert p.select(ws, "something else").url == "http://w1"
+
+
+def test_owner_that_is_not_available_is_a_miss():
+    p = CacheAwarePolicy()
+    ws = workers(0, 0, 0)
+    p.tree.insert("conversation one", "http://w0")
+    available = ws[1:]  # w0 unhealthy
+    chosen = p.select(available, "conversation one, turn two")
+    assert chosen.url in {"http://w1", "http://w2"}
+    assert p.misses == 1
+
+
+def test_removed_worker_leaves_the_tree():
+    p = CacheAwarePolicy()
+    ws = workers(0, 0)
+    p.tree.insert("some prompt text", "http://w0")
+    p.on_worker_removed("http://w0")
+    assert p.tree.tenant_size("http://w0") == 0
+    assert p.tree.match("some prompt text") == (0, {})
+    assert p.select(ws[1:], "some prompt text").url == "http://w1"
+
+
+def test_empty_text_routes_by_load_and_inserts_nothing():
+    p = CacheAwarePolicy()
+    ws = workers(2, 1)
+    assert p.select(ws, "").url == "http://w1"
+    assert p.tree.total_size == 0
+
+
+def test_no_workers_gives_none_for_every_policy():
+    for name in ("cache_aware", "round_robin", "random", "power_of_two"):
+        assert make_policy(name, RouterConfig()).select([], "x") is None
+
+
+def test_round_robin_random_power_of_two():
+    ws = workers(0, 0, 0)
+    rr = RoundRobinPolicy()
+    assert [rr.select(ws, "").url for _ in range(4)] == ["http://w0", "http://w1", "http://w2", "http://w0"]
+    rnd = RandomPolicy(random.Random(0))
+    assert {rnd.select(ws, "").url for _ in range(60)} == {w.url for w in ws}
+    p2 = PowerOfTwoPolicy(random.Random(0))
+    loaded = workers(5, 0, 5)
+    picks = [p2.select(loaded, "").url for _ in range(200)]
+    # w1 (load 0) wins whenever sampled (2 of 3 pairs); never loses to a busier one
+    assert picks.count("http://w1") == pytest.approx(200 * 2 / 3, abs=30)
+    assert all(p == "http://w1" or p in ("http://w0", "http://w2") for p in picks)
+
+
+def test_make_policy_reads_config():
+    cfg = RouterConfig(cache_threshold=0.7, balance_abs_threshold=3, balance_rel_threshold=2.0,
+                       cache_miss_fallback="smallest_tree")
+    p = make_policy("cache_aware", cfg)
+    assert (p.cache_threshold, p.abs_threshold, p.rel_threshold, p.smallest_tree) == (0.7, 3, 2.0, True)
+    with pytest.raises(ValueError):
+        make_policy("fastest", cfg)

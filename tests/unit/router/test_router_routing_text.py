@@ -1,0 +1,40 @@
+"""The text each request body is routed by."""
+
+from fleetserve.router.routing_text import chat_text, ids_text, routing_text
+
+
+def test_chat_turn_n_is_prefix_of_turn_n_plus_1():
+    turn1 = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi 你好 😀"}]
+    turn2 = turn1 + [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More?"}]
+    t1, t2 = chat_text(turn1), chat_text(turn2)
+    assert t2.startswith(t1) and len(t2) > len(t1)
+    assert "system" in t1 and "You are terse." in t1 and "😀" in t1
+    # roles matter: same content, different role -> different text
+    assert chat_text([{"role": "user", "content": "x"}]) != chat_text([{"role": "assistant", "content": "x"}])
+
+
+def test_chat_content_parts_keep_text_in_order():
+    msg = [{"role": "user", "content": [{"type": "text", "text": "look at "},
+                                        {"type": "image_url", "image_url": {"url": "http://x"}},
+                                        {"type": "text", "text": "this"}]}]
+    t = routing_text("/v1/chat/completions", {"messages": msg})
+    assert t.index("look at ") < t.index("<image_url>") < t.index("this")
+
+
+def test_completions_prompt_forms():
+    assert routing_text("/v1/completions", {"prompt": "abc"}) == "abc"
+    assert routing_text("/v1/completions", {"prompt": ["abc", "def"]}) == "abc\ndef"
+    ids = routing_text("/v1/completions", {"prompt": [1, 2, 3]})
+    assert ids == ids_text([1, 2, 3]) and len(ids) == 4
+    assert ids_text([1, 2]) != ids_text([12])
+    assert ids_text([5, 6, 7]).startswith(ids_text([5, 6]))
+    assert routing_text("/v1/completions", {"prompt": [[1, 2], [3]]}) == ids_text([1, 2]) + "\n" + ids_text([3])
+    assert routing_text("/v1/completions", {}) == ""
+
+
+def test_generate_text_or_input_ids_and_huge_ids():
+    assert routing_text("/generate", {"text": "hello"}) == "hello"
+    assert routing_text("/generate", {"input_ids": [7, 8]}) == ids_text([7, 8])
+    big = ids_text([2**40, 3])
+    assert big.startswith("\x1d") and "1099511627776" in big
+    assert routing_text("/generate", {"text": 5}) == ""
