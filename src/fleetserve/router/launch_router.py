@@ -36,7 +36,11 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         if failed:
             log.error("workers not healthy within %s s: %s", cfg.worker_startup_timeout_secs, " ".join(failed))
             return 1
-        runner = web.AppRunner(router.make_app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a client that goes away cancels its handler, so the
+        # upstream request is dropped too (the worker sees the disconnect) and the
+        # load is released at once by the finally in Router._attempt.
+        runner = web.AppRunner(router.make_app(), access_log=None, handle_signals=False,
+                               handler_cancellation=True)
         await runner.setup()
         runners.append(runner)
         await web.TCPSite(runner, cfg.host, cfg.port, backlog=1024).start()

@@ -1,0 +1,100 @@
+"""Process helpers for the router's end-to-end tests: fake workers and a router, on loopback."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+FAKE = HERE / "fake_llm_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            proc.log.seek(0)
+            tail = proc.log.read()[-2000:].decode(errors="replace")
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered:\n{tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout} s")
+
+
+class Procs:
+    """Starts processes and ends exactly those, by pid."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, args: list[str]) -> subprocess.Popen:
+        log = tempfile.TemporaryFile()
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p.log = log
+        self.procs.append(p)
+        return p
+
+    def worker(self, name: str, unhealthy_file: str | None = None) -> tuple[str, subprocess.Popen]:
+        port = free_port()
+        args = [sys.executable, str(FAKE), "--port", str(port), "--name", name]
+        if unhealthy_file:
+            args += ["--unhealthy-file", unhealthy_file]
+        p = self.spawn(args)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/stats", proc=p)
+        return url, p
+
+    def router(self, worker_urls: list[str], *extra: str) -> tuple[str, subprocess.Popen]:
+        port = free_port()
+        args = [sys.executable, "-m", "fleetserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+                "--log-level", "warn", "--worker-startup-check-interval", "0.1", *extra]
+        if worker_urls:
+            args += ["--worker-urls", *worker_urls]
+        p = self.spawn(args)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", proc=p)
+        return url, p
+
+    def kill(self, p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=5)
+            p.log.close()
+
+
+@pytest.fixture
+def procs():
+    ps = Procs()
+    try:
+        yield ps
+    finally:
+        ps.close()

@@ -1,0 +1,247 @@
+"""The router as a real process in front of real (fake-LLM) worker processes."""
+
+import asyncio
+import json
+import os
+
+import aiohttp
+import pytest
+
+T = aiohttp.ClientTimeout(total=20)
+
+
+async def post(s, url, body, timeout=T):
+    async with s.post(url, json=body, timeout=timeout) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def get_json(s, url):
+    async with s.get(url, timeout=T) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def loads(s, router):
+    _, body = await get_json(s, router + "/list_workers")
+    return {w["url"]: w["load"] for w in body["workers"]}
+
+
+async def wait_loads_zero(s, router, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        cur = await loads(s, router)
+        if all(v == 0 for v in cur.values()) or asyncio.get_running_loop().time() > deadline:
+            return cur
+        await asyncio.sleep(0.05)
+
+
+async def metric(s, router, name):
+    async with s.get(router + "/metrics", timeout=T) as r:
+        text = await r.text()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.timeout(60)
+async def test_conversations_stick_to_one_worker(procs):
+    urls = [procs.worker(f"w{i}")[0] for i in range(3)]
+    router, _ = procs.router(urls, "--policy", "cache_aware")
+    async with aiohttp.ClientSession() as s:
+        homes = {}
+        for turn in range(4):
+            for conv in range(6):
+                msgs = [{"role": "system", "content": f"Conversation {conv}: you are a terse assistant."}]
+                for t in range(turn + 1):
+                    msgs.append({"role": "user", "content": f"conversation {conv} question {t}: " + "x" * 40})
+                    msgs.append({"role": "assistant", "content": f"answer {t}"})
+                status, body = await post(s, router + "/v1/chat/completions", {"messages": msgs[:-1]})
+                assert status == 200
+                homes.setdefault(conv, set()).add(body["worker"])
+        assert all(len(h) == 1 for h in homes.values()), homes
+        # new conversations spread over the workers instead of piling on one
+        assert len({next(iter(h)) for h in homes.values()}) == 3
+        assert await metric(s, router, "fleetserve_router_cache_decisions_total{result=\"hit\"}") == 18
+        assert await metric(s, router, "fleetserve_router_cache_decisions_total{result=\"miss\"}") == 6
+
+
+@pytest.mark.timeout(60)
+async def test_load_counters_return_to_zero(procs):
+    urls = [procs.worker(f"w{i}")[0] for i in range(2)]
+    router, _ = procs.router(urls, "--request-timeout-secs", "1", "--retry-max-retries", "2",
+                             "--retry-initial-backoff-ms", "1")
+    async with aiohttp.ClientSession() as s:
+        # streams that finish
+        for i in range(3):
+            async with s.post(router + "/generate", json={"text": f"s{i}", "stream": True, "fake_chunks": 4},
+                              timeout=T) as r:
+                data = await r.read()
+                assert r.status == 200 and data.count(b"data:") == 5
+        # errors: 5xx (retried, then passed through) and 4xx (passed through)
+        assert (await post(s, router + "/generate", {"text": "e", "fake_status": 500}))[0] == 500
+        assert (await post(s, router + "/generate", {"text": "e", "fake_status": 422}))[0] == 422
+        # timeouts (non-streaming and streaming)
+        status, body = await post(s, router + "/generate", {"text": "slow", "fake_sleep": 3})
+        assert status == 502 and "TimeoutError" in body["error"]["message"]
+        async with s.post(router + "/generate", json={"text": "slow stream", "stream": True, "fake_chunks": 10,
+                                                      "fake_chunk_delay": 0.5}, timeout=T) as r:
+            await r.read()  # cut short by the router's 1 s limit
+        # client disconnects mid-stream and mid-request, while the load is visibly held
+        r = await s.post(router + "/generate", json={"text": "drop me", "stream": True, "fake_chunks": 50,
+                                                     "fake_chunk_delay": 0.05}, timeout=T)
+        await r.content.readline()
+        task = asyncio.create_task(post(s, router + "/generate", {"text": "cancel me", "fake_sleep": 0.8}))
+        await asyncio.sleep(0.3)
+        assert sum((await loads(s, router)).values()) == 2
+        r.close()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    async with aiohttp.ClientSession() as s:
+        assert await wait_loads_zero(s, router) == {u: 0 for u in urls}
+        assert await metric(s, router, "fleetserve_router_inflight_requests") == 0
+
+
+@pytest.mark.timeout(90)
+async def test_worker_killed_mid_run_costs_no_request(procs):
+    workers = [procs.worker(f"w{i}") for i in range(3)]
+    urls = [u for u, _ in workers]
+    router, _ = procs.router(urls, "--policy", "round_robin", "--health-check-interval-secs", "0.5",
+                             "--health-failure-threshold", "1", "--retry-initial-backoff-ms", "5")
+    statuses = []
+
+    async def client(s, k):
+        for i in range(40):
+            status, body = await post(s, router + "/v1/completions",
+                                      {"prompt": f"client {k} request {i}", "fake_sleep": 0.01})
+            statuses.append(status)
+
+    async with aiohttp.ClientSession() as s:
+        load = asyncio.gather(*(client(s, k) for k in range(6)))
+        await asyncio.sleep(0.4)
+        procs.kill(workers[1][1])
+        await load
+        assert len(statuses) == 240 and set(statuses) == {200}
+        _, lw = await get_json(s, router + "/list_workers")
+        dead = [w for w in lw["workers"] if w["url"] == urls[1]][0]
+        assert dead["healthy"] is False
+        assert await metric(s, router, "fleetserve_router_retries_total") >= 1
+
+
+@pytest.mark.timeout(90)
+async def test_add_and_remove_workers_during_load(procs):
+    (u0, _), (u1, _), (u2, _) = (procs.worker(f"w{i}") for i in range(3))
+    router, _ = procs.router([u0, u1], "--policy", "round_robin")
+    statuses, seen = [], []
+    stop = asyncio.Event()
+
+    async def client(s, k):
+        i = 0
+        while not stop.is_set():
+            status, body = await post(s, router + "/generate", {"text": f"c{k} r{i}", "fake_sleep": 0.005})
+            statuses.append(status)
+            seen.append(body.get("worker"))
+            i += 1
+
+    async with aiohttp.ClientSession() as s:
+        load = asyncio.gather(*(client(s, k) for k in range(4)))
+        await asyncio.sleep(0.3)
+        async with s.post(router + "/add_worker", params={"url": u2}, timeout=T) as r:
+            assert r.status == 200
+        await asyncio.sleep(0.5)
+        async with s.post(router + "/remove_worker", params={"url": u0}, timeout=T) as r:
+            assert r.status == 200
+        n_at_removal = seen.count("w0")
+        await asyncio.sleep(0.5)
+        stop.set()
+        await load
+        assert set(statuses) == {200}
+        assert seen.count("w2") > 0
+        # at most the requests already in flight to w0 finish after its removal
+        assert seen.count("w0") - n_at_removal <= 4
+        _, lw = await get_json(s, router + "/list_workers")
+        assert lw["urls"] == [u1, u2]
+        async with s.post(router + "/remove_worker", params={"url": u0}, timeout=T) as r:
+            assert r.status == 404
+        async with s.post(router + "/add_worker", params={"url": u1}, timeout=T) as r:
+            assert r.status == 400
+        assert await wait_loads_zero(s, router) == {u1: 0, u2: 0}
+
+
+@pytest.mark.timeout(60)
+async def test_errors_health_and_info_endpoints(procs, tmp_path):
+    flag = str(tmp_path / "unhealthy")
+    (u0, _), (u1, _) = procs.worker("w0", flag), procs.worker("w1", flag)
+    router, _ = procs.router([u0, u1], "--max-payload-size", "2000", "--health-check-interval-secs", "0.1",
+                             "--health-failure-threshold", "1", "--health-success-threshold", "2")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router + "/v1/completions", data=b"{not json", timeout=T) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == 400
+        async with s.post(router + "/v1/completions", data=b"[1, 2]", timeout=T) as r:
+            assert r.status == 400
+        async with s.post(router + "/v1/completions", json={"prompt": "x" * 5000}, timeout=T) as r:
+            assert r.status == 413 and "max-payload-size" in (await r.json())["error"]["message"]
+        # a 4xx passes through unchanged and is not a worker failure
+        status, body = await post(s, router + "/v1/completions", {"prompt": "p", "fake_status": 404})
+        assert status == 404 and body["error"]["message"] == "fake 404"
+        # a 5xx is retried on the other worker
+        assert (await post(s, router + "/v1/completions", {"prompt": "q", "fake_status": 503}))[0] == 503
+        assert await metric(s, router, "fleetserve_router_failures_total") == 5
+        assert await metric(s, router, "fleetserve_router_requests_total") == 6
+        # info endpoints and flush_cache
+        status, body = await get_json(s, router + "/v1/models")
+        assert status == 200 and body["data"][0]["id"] == "fake-model"
+        assert (await get_json(s, router + "/get_model_info"))[1]["model_path"] == "fake-model"
+        async with s.post(router + "/flush_cache", timeout=T) as r:
+            assert r.status == 200
+        for u in (u0, u1):
+            assert (await get_json(s, u + "/stats"))[1]["flushes"] == 1
+        assert (await get_json(s, router + "/readiness"))[0] == 200
+        # every worker unhealthy -> 503 JSON, readiness 503; recovery after the success threshold
+        open(flag, "w").close()
+        await asyncio.sleep(0.6)
+        status, body = await post(s, router + "/v1/completions", {"prompt": "z"})
+        assert status == 503 and body["error"]["code"] == 503
+        assert (await get_json(s, router + "/readiness"))[0] == 503
+        assert (await get_json(s, router + "/v1/models"))[0] == 503
+        os.unlink(flag)
+        await asyncio.sleep(0.8)
+        assert (await post(s, router + "/v1/completions", {"prompt": "z"}))[0] == 200
+        assert (await get_json(s, router + "/health"))[0] == 200
+
+
+@pytest.mark.timeout(60)
+async def test_streaming_is_passed_through_without_buffering(procs):
+    u0, _ = procs.worker("w0")
+    router, _ = procs.router([u0])
+    async with aiohttp.ClientSession() as s:
+        loop = asyncio.get_running_loop()
+        async with s.post(router + "/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                "fake_chunks": 4, "fake_chunk_delay": 0.3}, timeout=T) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            t0 = loop.time()
+            first = await r.content.readline()
+            t_first = loop.time() - t0
+            rest = await r.read()
+        # the first event arrives long before the stream ends (4 x 0.3 s)
+        assert json.loads(first[len(b"data: "):])["i"] == 0
+        assert t_first < 0.25
+        assert rest.count(b"data:") == 4 and rest.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.timeout(30)
+async def test_router_exits_when_a_worker_never_gets_healthy(procs):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dead = "http://127.0.0.1:9"  # discard port: nothing answers
+    p = subprocess.run([sys.executable, "-m", "fleetserve.cli", "router", "--port", str(port),
+                        "--host", "127.0.0.1", "--worker-urls", dead, "--worker-startup-timeout-secs", "1",
+                        "--worker-startup-check-interval", "0.2"], capture_output=True, text=True, timeout=20)
+    assert p.returncode == 1 and "not healthy" in p.stderr
