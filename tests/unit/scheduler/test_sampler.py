@@ -1,0 +1,91 @@
+"""Sampling: masks, penalties, temperature, seeds and logprobs."""
+
+import math
+
+import torch
+
+from fleetserve.engine.req import Req
+from fleetserve.engine.sampler import Sampler, apply_penalties, mask_probs
+from fleetserve.engine.sampling_params import SamplingParams
+
+
+def req(prompt=(1, 2), out=(), **sp):
+    r = Req("r", list(prompt), SamplingParams(**sp))
+    r.output_ids = list(out)
+    return r
+
+
+def one(x):
+    return torch.tensor([x])
+
+
+def test_top_k_top_p_min_p_masks():
+    p = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    k2 = mask_probs(p, one(2), one(1.0), one(0.0))
+    assert torch.allclose(k2, torch.tensor([[0, 0.5 / 0.8, 0, 0.3 / 0.8]]))
+    # top_p 0.8: 0.5 (mass before 0) and 0.3 (mass before 0.5) stay; 0.15 has 0.8 before it
+    p8 = mask_probs(p, one(-1), one(0.8), one(0.0))
+    assert torch.allclose(p8, k2)
+    p81 = mask_probs(p, one(-1), one(0.81), one(0.0))
+    assert torch.allclose(p81, torch.tensor([[0, 0.5, 0.15, 0.3]]) / 0.95)
+    mp = mask_probs(p, one(-1), one(1.0), one(0.3))  # keep p >= 0.15
+    assert torch.allclose(mp, torch.tensor([[0, 0.5, 0.15, 0.3]]) / 0.95)
+    tiny = mask_probs(p, one(-1), one(1e-6), one(0.0))
+    assert tiny.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    full = mask_probs(p, one(0), one(1.0), one(0.0))
+    assert torch.allclose(full, p)
+
+
+def test_repetition_frequency_presence_math():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
+    apply_penalties(logits, [req(prompt=[0], out=[1], repetition_penalty=2.0)])
+    assert logits.tolist() == [[1.0, -4.0, 1.0, 0.5, 3.0]]
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
+    apply_penalties(logits, [req(prompt=[4], out=[2, 2, 3], frequency_penalty=0.5, presence_penalty=0.25)])
+    # token 2: -(0.5*2 + 0.25); token 3: -(0.5 + 0.25); prompt token 4 untouched
+    assert torch.allclose(logits, torch.tensor([[2.0, -2.0, 1.0 - 1.25, 0.5 - 0.75, 3.0]]))
+
+
+def test_greedy_and_logprobs_equal_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20)
+    reqs = [req(temperature=0.0) for _ in range(3)]
+    for r in reqs:
+        r.return_logprob = True
+        r.top_logprobs_num = 4
+    out = Sampler(0)(logits.clone(), reqs)
+    ref = torch.log_softmax(logits, -1)
+    assert out.next_ids == logits.argmax(-1).tolist()
+    for i in range(3):
+        lp, tok = out.logprobs[i]
+        assert tok == out.next_ids[i] and math.isclose(lp, float(ref[i, tok]), abs_tol=1e-6)
+        vals, ids = ref[i].topk(4)
+        assert [t for _, t in out.top_logprobs[i]] == ids.tolist()
+        assert all(math.isclose(a, float(b), abs_tol=1e-6) for (a, _), b in zip(out.top_logprobs[i], vals))
+
+
+def test_temperature_sampling_follows_softmax():
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    n = 8000
+    reqs = [req(temperature=0.7) for _ in range(n)]
+    out = Sampler(1)(logits.repeat(n, 1), reqs)
+    freq = torch.bincount(torch.tensor(out.next_ids), minlength=4).float() / n
+    assert torch.allclose(freq, torch.softmax(logits / 0.7, -1), atol=0.02)
+
+
+def test_seed_is_deterministic_and_seeds_differ():
+    torch.manual_seed(1)
+    logits = torch.randn(40, 30)
+
+    def draw(seed):
+        r = req(temperature=1.0, top_p=0.95, seed=seed)
+        return [Sampler(None)(logits[i:i + 1].clone(), [r]).next_ids[0] for i in range(40)]
+
+    assert draw(5) == draw(5)
+    assert draw(5) != draw(6)
+
+
+def test_mixed_greedy_and_sampled_rows():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 50.0]])
+    out = Sampler(0)(logits.clone(), [req(temperature=0.0), req(temperature=1.0, top_k=1 + 1)])
+    assert out.next_ids == [1, 2]
