@@ -11,13 +11,22 @@ Only the *duration* of a step comes from :class:`TimingModel`; the loop sleeps
 until ``step start + modelled duration``, so the Python work of the step is
 hidden inside the modelled time as long as the CPU keeps up.
 
-Cache semantics per request (as in the engine's scheduler):
+Cache semantics per request (those of the engine's scheduler,
+``fleetserve.engine.scheduler``):
 
+* waiting requests are ordered longest-cached-prefix first (``lpm``) while the
+  queue holds at most 128, else first come first served;
 * match ``input_ids[:-1]`` (the last prompt token is always computed, so at
   least one token is prefilled); ``cached_tokens`` = matched length;
+* a request sharing at least ``min(32, uncached - 1)`` uncached tokens with one
+  already in this prefill batch waits one step, to reuse that prefill;
 * lock the matched node, reserve ``uncached + max_new_tokens`` KV slots,
   evicting LRU leaves when the allocator is short; if it is still short the
-  request waits (head-of-line) until running requests finish;
+  request waits until running requests finish (the engine reserves only an
+  estimate of the output and retracts on overflow; reserving it all keeps the
+  simulation free of retraction);
+* right after the prefill step the prompt goes into the tree (locked), so
+  concurrent requests with the same prefix hit it while this one decodes;
 * on finish, insert ``input_ids + output_ids[:-1]`` (the tokens whose KV was
   computed), free duplicate and unused slots, unlock.
 """
@@ -33,6 +42,8 @@ import torch
 
 from fleetserve.bench.timing_model import TimingModel
 from fleetserve.engine.radix_cache import RadixCache
+from fleetserve.engine.schedule_policy import IN_BATCH_SHARE_MIN, LPM_MAX_QUEUE
+from fleetserve.engine.schedule_policy import common_prefix_len as _common_len
 
 
 class RequestTooLong(ValueError):
@@ -143,6 +154,7 @@ class SimEngine:
                 self.stats["num_prefill_steps"] += 1
                 await self._sleep_until(loop, t0 + dur)
                 for r in new:
+                    self._cache_prompt(r)
                     self._emit(r, 1)
                 self.running.extend(r for r in new if not r.finished)
             elif self.running:
@@ -166,16 +178,25 @@ class SimEngine:
         await asyncio.sleep(delay if delay > 0 else 0)
 
     def _admit(self) -> list[SimRequest]:
-        """Take waiting requests (FIFO) while slots, KV and the prefill budget allow."""
+        """Take waiting requests (lpm order) while slots, KV and the prefill budget allow."""
         new: list[SimRequest] = []
         budget = self.model.chunked_prefill_size
+        if 1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            lens = {id(r): int(self.cache.match_prefix(r.input_ids[:-1])[0].numel()) for r in self.waiting}
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (-lens[id(r)], r.arrival)))
+        skipped: list[SimRequest] = []
         while self.waiting and len(self.running) + len(new) < self.model.max_running_requests:
             r = self.waiting[0]
             slots, node = self.cache.match_prefix(r.input_ids[:-1])
             cached = int(slots.numel())
             uncached = len(r.input_ids) - cached
-            if new and uncached > budget:
-                break
+            if new:
+                share = max(_common_len(r.input_ids, q.input_ids) for q in new) - cached
+                if share > 0 and share >= min(IN_BATCH_SHARE_MIN, uncached - 1):
+                    skipped.append(self.waiting.popleft())  # reuse that prefill next step
+                    continue
+                if uncached > budget:
+                    break
             self.cache.inc_lock_ref(node)
             need = uncached + r.max_new_tokens
             short = need - self.allocator.available_size()
@@ -192,7 +213,22 @@ class SimEngine:
             self.stats["cached_tokens"] += cached
             budget -= uncached
             new.append(r)
+        self.waiting.extendleft(reversed(skipped))
         return new
+
+    def _cache_prompt(self, r: SimRequest) -> None:
+        """After the prefill step: put the prompt's KV in the tree, move the lock down to it."""
+        n_prompt = len(r.input_ids) - r.cached_tokens
+        own_prompt = r._own_slots[:n_prompt]
+        all_slots = torch.cat([r._prefix_slots, own_prompt])
+        n_present = self.cache.insert(r.input_ids, all_slots)
+        if n_present > r.cached_tokens:  # someone inserted part of it meanwhile: keep the tree's slots
+            self.allocator.free(own_prompt[:n_present - r.cached_tokens])
+        tree_slots, node = self.cache.match_prefix(r.input_ids)
+        self.cache.inc_lock_ref(node)
+        self.cache.dec_lock_ref(r._node)
+        r._node, r._prefix_slots = node, tree_slots
+        r._own_slots = r._own_slots[n_prompt:]  # what is left: the output's reserved slots
 
     def _emit(self, r: SimRequest, n: int) -> None:
         r.generated += n
@@ -207,18 +243,21 @@ class SimEngine:
             self._release(r)
 
     def _release(self, r: SimRequest) -> None:
-        """Hand the request's computed KV to the radix cache and free the rest."""
+        """Hand the request's computed KV to the radix cache and free the rest.
+
+        Called after :meth:`_cache_prompt`: the tree already holds the prompt
+        (``r._prefix_slots``), ``r._own_slots`` are the output's reserved slots.
+        """
         r.finished = True
-        cached = r.cached_tokens
-        n_computed = len(r.input_ids) - cached + max(r.generated - 1, 0)
+        n_out = max(r.generated - 1, 0)  # output tokens whose KV was computed
         own = r._own_slots
-        tokens = r.input_ids + r.output_ids[:max(r.generated - 1, 0)]
-        all_slots = torch.cat([r._prefix_slots, own[:n_computed]])
-        n_present = self.cache.insert(tokens, all_slots)
-        if n_present > cached:
-            self.allocator.free(own[:n_present - cached])
-        if own.numel() > n_computed:
-            self.allocator.free(own[n_computed:])
+        tokens = r.input_ids + r.output_ids[:n_out]
+        base = int(r._prefix_slots.numel())
+        n_present = self.cache.insert(tokens, torch.cat([r._prefix_slots, own[:n_out]]))
+        if n_present > base:
+            self.allocator.free(own[:n_present - base])
+        if own.numel() > n_out:
+            self.allocator.free(own[n_out:])
         self.cache.dec_lock_ref(r._node)
         r._own_slots = r._prefix_slots = r._node = None
 

@@ -116,6 +116,10 @@ class SimWorker:
         return body
 
     def _new_request(self, input_ids: list[int], max_new: int) -> SimRequest:
+        cap = self.engine.model.max_total_tokens
+        if len(input_ids) + max_new > cap:  # before synthesizing a huge output
+            raise RequestTooLong(f"prompt ({len(input_ids)} tokens) + max_tokens ({max_new}) exceeds the KV "
+                                 f"capacity ({cap} tokens)")
         out_ids, pieces = self.tok.synth_output(input_ids, max_new)
         return SimRequest(rid=uuid.uuid4().hex, input_ids=input_ids, max_new_tokens=max_new, output_ids=out_ids,
                           output_pieces=pieces, stream_interval=self.stream_interval)
@@ -167,8 +171,8 @@ class SimWorker:
             max_new = _positive_int(sp, "max_new_tokens", 128)
         except ValueError as e:
             return _error(400, str(e))
-        r = self._new_request(ids, max_new)
         try:
+            r = self._new_request(ids, max_new)
             self.engine.submit(r)
         except (RequestTooLong, ValueError) as e:
             return _error(400, str(e))
@@ -217,8 +221,8 @@ class SimWorker:
 
     async def _serve_openai(self, req: web.Request, body: dict, ids: list[int], max_new: int,
                             chat: bool) -> web.StreamResponse:
-        r = self._new_request(ids, max_new)
         try:
+            r = self._new_request(ids, max_new)
             self.engine.submit(r)
         except (RequestTooLong, ValueError) as e:
             return _error(400, str(e))

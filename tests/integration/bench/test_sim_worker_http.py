@@ -1,0 +1,98 @@
+"""The sim-worker's HTTP API: OpenAI shapes, cached_tokens, errors, flush, timing."""
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from fleetserve.bench import sim_worker
+
+PORT = 35731
+
+
+@pytest.fixture
+async def workers():
+    args = sim_worker.build_parser().parse_args([
+        "--port", str(PORT), "--num-workers", "2", "--stream-interval", "3",
+        "--prefill-per-token-s", "0.001", "--prefill-overhead-s", "0", "--decode-base-s", "0.01",
+        "--decode-per-req-s", "0", "--decode-per-ctx-token-s", "0"])
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(sim_worker.serve(args, ready, stop))
+    await asyncio.wait_for(ready.wait(), 10)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        yield s
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+PROMPT = " ".join(["time year people way day"] * 40)  # 200 words = 200 tokens
+
+
+@pytest.mark.timeout(60)
+async def test_openai_and_cache(workers):
+    s = workers
+    base = f"http://127.0.0.1:{PORT}"
+    async with s.get(base + "/health") as r:
+        assert r.status == 200 and r.headers["X-Fleetserve-Worker"] == f"127.0.0.1:{PORT}"
+    async with s.get(base + "/v1/models") as r:
+        assert (await r.json())["data"][0]["id"] == "sim-llama-8b"
+    t0 = asyncio.get_running_loop().time()
+    async with s.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 10}) as r:
+        first = await r.json()
+    t1 = asyncio.get_running_loop().time()
+    assert first["usage"] == {"prompt_tokens": 200, "completion_tokens": 10, "total_tokens": 210,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
+    assert len(first["choices"][0]["text"].split()) == 10
+    # modelled time: prefill 200 x 1 ms + 9 decode steps x 10 ms = 0.29 s
+    assert 0.28 <= t1 - t0 < 0.6
+    async with s.post(base + "/v1/completions", json={"prompt": PROMPT + " lake", "max_tokens": 10}) as r:
+        second = await r.json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 200
+    assert second["worker_id"] == f"127.0.0.1:{PORT}"
+    # the other worker has its own cache
+    async with s.post(f"http://127.0.0.1:{PORT + 1}/v1/completions",
+                      json={"prompt": PROMPT + " lake", "max_tokens": 2}) as r:
+        assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # streaming chat: chunks of stream_interval tokens, usage at the end
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 7, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = []
+    async with s.post(base + "/v1/chat/completions", json=body) as r:
+        async for line in r.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                import json
+                chunks.append(json.loads(line[6:]))
+    texts = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]]
+    assert [len(t.split()) for t in texts] == [1, 3, 3]
+    assert chunks[-1]["usage"]["completion_tokens"] == 7
+    # native /generate with input_ids
+    async with s.post(base + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}) as r:
+        g = await r.json()
+    assert g["meta_info"]["prompt_tokens"] == 3 and len(g["output_ids"]) == 4
+    async with s.get(base + "/metrics") as r:
+        text = await r.text()
+    assert "fleetserve:cached_tokens_total" in text and "} 200" in text
+
+
+@pytest.mark.timeout(60)
+async def test_errors_and_flush(workers):
+    s = workers
+    base = f"http://127.0.0.1:{PORT}"
+    for path, body in (("/v1/completions", b"{nope"), ("/v1/completions", b'{"prompt": 5}'),
+                       ("/v1/chat/completions", b'{"messages": []}'),
+                       ("/v1/completions", b'{"prompt": "a", "max_tokens": -1}'),
+                       ("/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": true}}'),
+                       ("/v1/completions", b'{"prompt": "a", "max_tokens": 10000000}')):
+        async with s.post(base + path, data=body) as r:
+            assert r.status == 400, (path, body)
+            err = (await r.json())["error"]
+            assert err["type"] == "invalid_request_error" and err["message"]
+    async with s.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}) as r:
+        assert r.status == 200
+    async with s.post(base + "/flush_cache") as r:
+        assert r.status == 200
+    async with s.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}) as r:
+        assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    async with s.get(base + "/get_server_info") as r:
+        info = await r.json()
+    assert info["stats"]["num_requests"] == 2 and info["timing_model"]["decode_base_s"] == 0.01
