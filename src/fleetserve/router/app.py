@@ -40,12 +40,13 @@ from .metrics import RouterStats, make_registry, render
 from .policies import make_policy
 from .retry import backoff_delay_s
 from .routing_text import routing_text
+from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from .workers import Worker, WorkerRegistry, normalize_url
 
 log = logging.getLogger("fleetserve.router")
 
 INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
-_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _CLIENT_GONE = (ConnectionResetError, ConnectionError, aiohttp.ClientConnectionResetError)
 _JSON = "application/json"
 
@@ -74,7 +75,8 @@ class Router:
         self.policy = make_policy(cfg.policy, cfg)
         self.stats = RouterStats()
         self.metrics_registry = make_registry(self)
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # control traffic: health, info, flush
+        self.pool: UpstreamPool | None = None  # the proxy path
         self._urls: dict[tuple[str, str], URL] = {}
         self._tasks: list[asyncio.Task] = []
         self._max_attempts = cfg.max_attempts
@@ -88,7 +90,8 @@ class Router:
         return Worker(normalize_url(url), breaker)
 
     async def start(self) -> None:
-        """Open the HTTP client and start the background tasks (no worker wait)."""
+        """Open the HTTP clients and start the background tasks (no worker wait)."""
+        self.pool = UpstreamPool(self.cfg.request_timeout_secs)
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
             connector=connector,
@@ -112,6 +115,8 @@ class Router:
         self._tasks.clear()
         if self.session is not None:
             await self.session.close()
+        if self.pool is not None:
+            self.pool.close()
 
     async def add_initial_workers(self) -> list[str]:
         """Wait for every ``--worker-urls`` worker to be healthy and register it; return the ones that never were."""
@@ -202,10 +207,8 @@ class Router:
         cfg = self.cfg
         stats = self.stats
         policy = self.policy
-        headers = {"Content-Type": _JSON}
         auth = request.headers.get("Authorization")
-        if auth is not None:
-            headers["Authorization"] = auth
+        headers = b"" if auth is None else b"Authorization: " + auth.encode("latin-1") + b"\r\n"
         tried: list[Worker] = []
         failure: web.Response | None = None
         attempt = 0
@@ -235,7 +238,7 @@ class Router:
             await asyncio.sleep(backoff_delay_s(attempt, cfg.retry_initial_backoff_ms, cfg.retry_max_backoff_ms,
                                                 cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
 
-    async def _attempt(self, request: web.Request, worker: Worker, path: str, raw: bytes, headers: dict,
+    async def _attempt(self, request: web.Request, worker: Worker, path: str, raw: bytes, headers: bytes,
                        stream: bool):
         """One upstream attempt.  Returns the client's response, or a :class:`_Retry`."""
         worker.load += 1
@@ -243,18 +246,18 @@ class Router:
         resp = None
         try:
             try:
-                resp = await self.session.post(self._url(worker, path), data=raw, headers=headers)
+                resp = await self.pool.post(worker.url, path, raw, headers)
                 status = resp.status
                 if status >= 500:
                     data = await resp.read()
                     self._fail(worker)
                     return _Retry(web.Response(status=status, body=data,
-                                               headers={"Content-Type": resp.headers.get("Content-Type", _JSON)}))
+                                               headers={"Content-Type": resp.headers.get("content-type", _JSON)}))
                 if not stream or resp.content_type != "text/event-stream":
                     data = await resp.read()
                     worker.breaker.record_success()
                     return web.Response(status=status, body=data,
-                                        headers={"Content-Type": resp.headers.get("Content-Type", _JSON)})
+                                        headers={"Content-Type": resp.headers.get("content-type", _JSON)})
             except _UPSTREAM_ERRORS as e:
                 self._fail(worker)
                 msg = f"{worker.url}: {type(e).__name__}: {e}"
@@ -266,9 +269,9 @@ class Router:
             if resp is not None:
                 resp.release()
 
-    async def _stream(self, request: web.Request, worker: Worker, resp: aiohttp.ClientResponse):
+    async def _stream(self, request: web.Request, worker: Worker, resp: UpstreamResponse):
         out = web.StreamResponse(status=resp.status, headers={
-            "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+            "Content-Type": resp.headers.get("content-type", "text/event-stream"),
             "Cache-Control": "no-cache",
         })
         try:
@@ -279,7 +282,7 @@ class Router:
         try:
             while True:
                 try:
-                    chunk = await resp.content.readany()
+                    chunk = await resp.next_chunk()
                 except _UPSTREAM_ERRORS:
                     upstream_ok = False
                     break
@@ -390,6 +393,7 @@ class Router:
             return json_error(404, f"worker {raw} is not registered", "not_found_error")
         self.policy.on_worker_removed(worker.url)
         self._urls = {k: v for k, v in self._urls.items() if k[0] != worker.url}
+        self.pool.forget(worker.url)
         log.info("removed worker %s (%d requests still in flight)", worker.url, worker.load)
         return web.Response(status=200, content_type=_JSON,
                             body=orjson.dumps({"success": True, "message": f"removed worker {worker.url}"}))

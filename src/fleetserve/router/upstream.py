@@ -1,0 +1,293 @@
+"""A lean keep-alive HTTP/1.1 client for the router's hot path.
+
+Why not aiohttp's client: profiling the router (py-spy, docs/router.md) showed
+aiohttp's ``ClientSession.request`` machinery costing more per request than
+everything else the router does.  This client does only what the proxy needs:
+POST a body that is already bytes, read the status and headers, then either
+the whole body or the body chunk by chunk.  Responses are parsed by
+``httptools`` (the llhttp parser used by uvicorn); no HTTP parsing is done here.
+
+One :class:`UpstreamPool` per router; it keeps idle connections per worker
+(``host:port``).  A request that fails on a *reused* idle connection before
+any response byte arrived is sent once more on a fresh connection (the worker
+may have closed the idle connection meanwhile), as aiohttp does.
+
+Errors: every failure raises :class:`UpstreamError` (``UpstreamTimeoutError``
+for the ``timeout`` bound, which covers the whole exchange, streaming included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from urllib.parse import urlsplit
+
+import httptools
+
+
+class UpstreamError(Exception):
+    """The worker could not be reached, closed the connection, or sent a malformed response."""
+
+
+class UpstreamTimeoutError(UpstreamError):
+    """The exchange did not finish within its time bound."""
+
+
+_HIGH_WATER = 1 << 20  # bytes buffered from a streaming worker before reading pauses
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; at most one exchange at a time."""
+
+    __slots__ = ("pool", "key", "transport", "parser", "status", "headers", "chunks", "buffered", "done",
+                 "error", "head_waiter", "body_waiter", "keep_alive", "got_bytes", "closed", "paused")
+
+    def __init__(self, pool: "UpstreamPool", key: str) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.head_waiter: asyncio.Future | None = None
+        self.body_waiter: asyncio.Future | None = None
+        self.keep_alive = True
+        self.got_bytes = False
+        self.paused = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(UpstreamError(f"malformed response: {e}"))
+            self.transport.abort()
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        h = self.headers
+        if (self.status and exc is None and not self.done and self.head_waiter is None
+                and "content-length" not in h and "transfer-encoding" not in h):
+            self.on_message_complete()  # a body delimited by the end of the connection
+            return
+        if not self.done:
+            self._fail(UpstreamError(f"connection closed by the worker ({exc or 'EOF'})"))
+
+    # -- httptools callbacks
+    def on_status(self, status: bytes) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        w = self.head_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        w = self.body_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        for w in (self.head_waiter, self.body_waiter):
+            if w is not None and not w.done():
+                w.set_result(None)
+
+    # -- helpers
+    def _fail(self, err: BaseException) -> None:
+        if self.error is None:
+            self.error = err
+        for w in (self.head_waiter, self.body_waiter):
+            if w is not None and not w.done():
+                w.set_exception(err)
+
+
+class UpstreamResponse:
+    """Status and headers of a worker's answer; read the body with :meth:`read` or :meth:`iter_chunks`.
+
+    Always call :meth:`release` (the proxy does it in ``finally``): a fully read
+    response returns its connection to the pool, anything else closes it.
+    """
+
+    __slots__ = ("status", "headers", "_conn", "_timer", "_released")
+
+    def __init__(self, conn: _Conn, timer: asyncio.TimerHandle | None) -> None:
+        self.status = conn.status
+        self.headers = conn.headers
+        self._conn = conn
+        self._timer = timer
+        self._released = False
+
+    @property
+    def content_type(self) -> str:
+        """The media type without parameters, lower case ('' if absent)."""
+        return self.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+    async def read(self) -> bytes:
+        """The whole body.  Raises :class:`UpstreamError` if the exchange fails."""
+        c = self._conn
+        while not c.done:
+            if c.error is not None:
+                raise c.error
+            c.body_waiter = c.pool.loop.create_future()
+            await c.body_waiter
+            c.body_waiter = None
+        if c.error is not None and not c.done:
+            raise c.error
+        data = b"".join(c.chunks)
+        c.chunks.clear()
+        return data
+
+    async def next_chunk(self) -> bytes:
+        """The next piece of body as it arrived, b'' at the end.  Raises :class:`UpstreamError`."""
+        c = self._conn
+        while True:
+            if c.chunks:
+                chunk = c.chunks.popleft()
+                c.buffered -= len(chunk)
+                if c.paused and c.buffered < _HIGH_WATER // 2:
+                    c.paused = False
+                    c.transport.resume_reading()
+                return chunk
+            if c.done:
+                return b""
+            if c.error is not None:
+                raise c.error
+            c.body_waiter = c.pool.loop.create_future()
+            try:
+                await c.body_waiter
+            finally:
+                c.body_waiter = None
+
+    def release(self) -> None:
+        """Give the connection back (body fully read, keep-alive) or close it."""
+        if self._released:
+            return
+        self._released = True
+        if self._timer is not None:
+            self._timer.cancel()
+        c = self._conn
+        if c.done and c.keep_alive and not c.closed and not c.chunks and c.error is None:
+            c.pool._put(c)
+        else:
+            c.closed = True
+            if c.transport is not None:
+                c.transport.abort()
+
+
+class UpstreamPool:
+    """Keep-alive connections to every worker, created on demand."""
+
+    def __init__(self, timeout_s: float, max_idle_per_worker: int = 256) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.timeout_s = timeout_s
+        self.max_idle = max_idle_per_worker
+        self._idle: dict[str, list[_Conn]] = {}
+        self._addr: dict[str, tuple[str, int, bytes]] = {}
+
+    def _target(self, base_url: str) -> tuple[str, int, bytes]:
+        t = self._addr.get(base_url)
+        if t is None:
+            u = urlsplit(base_url)
+            if u.scheme != "http" or not u.hostname:
+                raise UpstreamError(f"unsupported worker URL {base_url!r} (plain http://host:port only)")
+            port = u.port or 80
+            t = self._addr[base_url] = (u.hostname, port, f"{u.netloc}".encode("latin-1"))
+        return t
+
+    def _put(self, conn: _Conn) -> None:
+        conn._reset()
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) < self.max_idle:
+            idle.append(conn)
+        else:
+            conn.closed = True
+            conn.transport.close()
+
+    def forget(self, base_url: str) -> None:
+        """Close the idle connections to a removed worker."""
+        for c in self._idle.pop(base_url, []):
+            c.closed = True
+            c.transport.close()
+        self._addr.pop(base_url, None)
+
+    def close(self) -> None:
+        for key in list(self._idle):
+            self.forget(key)
+
+    async def post(self, base_url: str, path: str, body: bytes, extra_headers: bytes = b"",
+                   timeout_s: float | None = None) -> UpstreamResponse:
+        """POST ``body`` (JSON bytes) to ``base_url + path``; returns once the status and headers arrived.
+
+        ``extra_headers``: already formatted ``Name: value\\r\\n`` lines.  Raises :class:`UpstreamError`.
+        """
+        host, port, hosthdr = self._target(base_url)
+        head = (b"POST " + path.encode("latin-1") + b" HTTP/1.1\r\nHost: " + hosthdr
+                + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                + b"\r\n" + extra_headers + b"\r\n")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        idle = self._idle.get(base_url)
+        while idle:
+            conn = idle.pop()
+            if conn.closed:
+                continue
+            try:
+                return await self._exchange(conn, head, body, timeout)
+            except UpstreamTimeoutError:
+                raise
+            except UpstreamError:
+                if conn.got_bytes:
+                    raise
+                # the worker closed this idle connection before we used it: try a fresh one
+                break
+        try:
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(lambda: _Conn(self, base_url), host, port), timeout)
+        except asyncio.TimeoutError as e:
+            raise UpstreamTimeoutError(f"connect to {base_url} timed out after {timeout} s") from e
+        except OSError as e:
+            raise UpstreamError(f"cannot connect to {base_url}: {e}") from e
+        return await self._exchange(conn, head, body, timeout)
+
+    async def _exchange(self, conn: _Conn, head: bytes, body: bytes, timeout: float) -> UpstreamResponse:
+        waiter = conn.head_waiter = self.loop.create_future()
+        timer = self.loop.call_later(timeout, self._on_timeout, conn, timeout)
+        conn.transport.write(head + body)
+        try:
+            await waiter
+        except BaseException:
+            timer.cancel()
+            conn.closed = True
+            conn.transport.abort()
+            raise
+        conn.head_waiter = None
+        return UpstreamResponse(conn, timer)
+
+    @staticmethod
+    def _on_timeout(conn: _Conn, timeout: float) -> None:
+        if not conn.done:
+            conn._fail(UpstreamTimeoutError(f"no complete answer within {timeout} s"))
+            conn.closed = True
+            conn.transport.abort()
