@@ -1,4 +1,4 @@
-"""The router's HTTP server (aiohttp on uvloop) and its proxy path.
+"""The router's handlers and its proxy path (served by :mod:`.server` on uvloop).
 
 Endpoints (as sglang-router):
 
@@ -30,8 +30,6 @@ import time
 
 import aiohttp
 import orjson
-from aiohttp import web
-from yarl import URL
 
 from . import health
 from .circuit_breaker import CircuitBreaker
@@ -40,6 +38,7 @@ from .metrics import RouterStats, make_registry, render
 from .policies import make_policy
 from .retry import backoff_delay_s
 from .routing_text import routing_text
+from .server import Request, Response, Routes, json_error
 from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from .workers import Worker, WorkerRegistry, normalize_url
 
@@ -47,7 +46,6 @@ log = logging.getLogger("fleetserve.router")
 
 INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
-_CLIENT_GONE = (ConnectionResetError, ConnectionError, aiohttp.ClientConnectionResetError)
 _JSON = "application/json"
 
 
@@ -56,14 +54,8 @@ class _Retry:
 
     __slots__ = ("response",)
 
-    def __init__(self, response: web.Response) -> None:
+    def __init__(self, response: Response) -> None:
         self.response = response
-
-
-def json_error(status: int, message: str, err_type: str = "invalid_request_error") -> web.Response:
-    """An OpenAI-style JSON error response."""
-    body = orjson.dumps({"error": {"message": message, "type": err_type, "code": status}})
-    return web.Response(status=status, body=body, content_type=_JSON)
 
 
 class Router:
@@ -77,7 +69,6 @@ class Router:
         self.metrics_registry = make_registry(self)
         self.session: aiohttp.ClientSession | None = None  # control traffic: health, info, flush
         self.pool: UpstreamPool | None = None  # the proxy path
-        self._urls: dict[tuple[str, str], URL] = {}
         self._tasks: list[asyncio.Task] = []
         self._max_attempts = cfg.max_attempts
         self._rr_info = 0
@@ -154,44 +145,27 @@ class Router:
             if dropped:
                 log.info("evicted %d chars from the routing tree", dropped)
 
-    # -------------------------------------------------------------- the app
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_payload_size)
-        r = app.router
+    # ----------------------------------------------------------- the routes
+    def make_routes(self) -> Routes:
+        routes = Routes()
         for path in INFERENCE_PATHS:
-            r.add_post(path, self.handle_inference)
+            routes.add("POST", path, self.handle_inference)
         for path in ("/v1/models", "/get_model_info", "/get_server_info"):
-            r.add_get(path, self.handle_info)
-        r.add_post("/flush_cache", self.handle_flush_cache)
-        r.add_get("/health", self.handle_health)
-        r.add_get("/readiness", self.handle_readiness)
-        r.add_get("/metrics", self.handle_metrics)
-        r.add_post("/add_worker", self.handle_add_worker)
-        r.add_post("/remove_worker", self.handle_remove_worker)
-        r.add_get("/list_workers", self.handle_list_workers)
-        return app
-
-    def _url(self, worker: Worker, path: str) -> URL:
-        key = (worker.url, path)
-        url = self._urls.get(key)
-        if url is None:
-            url = self._urls[key] = URL(worker.url + path)
-        return url
+            routes.add("GET", path, self.handle_info)
+        routes.add("POST", "/flush_cache", self.handle_flush_cache)
+        routes.add("GET", "/health", self.handle_health)
+        routes.add("GET", "/readiness", self.handle_readiness)
+        routes.add("GET", "/metrics", self.handle_metrics)
+        routes.add("POST", "/add_worker", self.handle_add_worker)
+        routes.add("POST", "/remove_worker", self.handle_remove_worker)
+        routes.add("GET", "/list_workers", self.handle_list_workers)
+        return routes
 
     # ------------------------------------------------------- proxy handlers
-    async def handle_inference(self, request: web.Request) -> web.StreamResponse:
-        length = request.content_length
-        if length is not None and length > self.cfg.max_payload_size:
-            self.stats.bad_requests += 1
-            return json_error(413, f"request body of {length} bytes exceeds --max-payload-size "
-                                   f"{self.cfg.max_payload_size}")
+    async def handle_inference(self, request: Request) -> Response | None:
+        """Parse, route and proxy one inference request (the server already enforced the size limit)."""
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self.stats.bad_requests += 1
-            return json_error(413, f"request body exceeds --max-payload-size {self.cfg.max_payload_size}")
-        try:
-            body = orjson.loads(raw)
+            body = orjson.loads(request.body)
         except orjson.JSONDecodeError as e:
             self.stats.bad_requests += 1
             return json_error(400, f"malformed JSON body: {e}")
@@ -199,18 +173,16 @@ class Router:
             self.stats.bad_requests += 1
             return json_error(400, "the request body must be a JSON object")
         path = request.path
-        text = routing_text(path, body)
-        return await self._forward(request, path, raw, text, body.get("stream") is True)
+        return await self._forward(request, path, routing_text(path, body), body.get("stream") is True)
 
-    async def _forward(self, request: web.Request, path: str, raw: bytes, text: str,
-                       stream: bool) -> web.StreamResponse:
+    async def _forward(self, request: Request, path: str, text: str, stream: bool) -> Response | None:
         cfg = self.cfg
         stats = self.stats
         policy = self.policy
-        auth = request.headers.get("Authorization")
+        auth = request.headers.get("authorization")
         headers = b"" if auth is None else b"Authorization: " + auth.encode("latin-1") + b"\r\n"
         tried: list[Worker] = []
-        failure: web.Response | None = None
+        failure: Response | None = None
         attempt = 0
         while True:
             attempt += 1
@@ -227,7 +199,7 @@ class Router:
                 if failure is None:
                     return json_error(503, "no healthy worker available", "service_unavailable")
                 return failure
-            result = await self._attempt(request, worker, path, raw, headers, stream)
+            result = await self._attempt(request, worker, path, headers, stream)
             if type(result) is not _Retry:
                 return result
             tried.append(worker)
@@ -238,65 +210,58 @@ class Router:
             await asyncio.sleep(backoff_delay_s(attempt, cfg.retry_initial_backoff_ms, cfg.retry_max_backoff_ms,
                                                 cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
 
-    async def _attempt(self, request: web.Request, worker: Worker, path: str, raw: bytes, headers: bytes,
-                       stream: bool):
-        """One upstream attempt.  Returns the client's response, or a :class:`_Retry`."""
+    async def _attempt(self, request: Request, worker: Worker, path: str, headers: bytes, stream: bool):
+        """One upstream attempt: the client's response, None once streamed, or a :class:`_Retry`.
+
+        ``worker.load`` is held from before the send until this returns, whatever happens
+        (answer, error, timeout, or cancellation when the client goes away).
+        """
         worker.load += 1
         worker.requests += 1
         resp = None
         try:
             try:
-                resp = await self.pool.post(worker.url, path, raw, headers)
+                resp = await self.pool.post(worker.url, path, request.body, headers)
                 status = resp.status
                 if status >= 500:
                     data = await resp.read()
                     self._fail(worker)
-                    return _Retry(web.Response(status=status, body=data,
-                                               headers={"Content-Type": resp.headers.get("content-type", _JSON)}))
+                    return _Retry(Response(status, data, resp.headers.get("content-type", _JSON)))
                 if not stream or resp.content_type != "text/event-stream":
                     data = await resp.read()
                     worker.breaker.record_success()
-                    return web.Response(status=status, body=data,
-                                        headers={"Content-Type": resp.headers.get("content-type", _JSON)})
-            except _UPSTREAM_ERRORS as e:
+                    return Response(status, data, resp.headers.get("content-type", _JSON))
+            except UpstreamError as e:
                 self._fail(worker)
-                msg = f"{worker.url}: {type(e).__name__}: {e}"
-                return _Retry(json_error(502, f"upstream request failed: {msg}", "bad_gateway"))
+                return _Retry(json_error(502, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
+                                         "bad_gateway"))
             # streaming: from here on bytes reach the client, so no retry
-            return await self._stream(request, worker, resp)
+            await self._stream(request, worker, resp)
+            return None
         finally:
             worker.load -= 1
             if resp is not None:
                 resp.release()
 
-    async def _stream(self, request: web.Request, worker: Worker, resp: UpstreamResponse):
-        out = web.StreamResponse(status=resp.status, headers={
-            "Content-Type": resp.headers.get("content-type", "text/event-stream"),
-            "Cache-Control": "no-cache",
-        })
+    async def _stream(self, request: Request, worker: Worker, resp: UpstreamResponse) -> None:
+        """Pass a streamed answer through chunk by chunk, as each arrives."""
         try:
-            await out.prepare(request)
-        except _CLIENT_GONE:
-            return out
-        upstream_ok = True
-        try:
-            while True:
-                try:
+            request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"),
+                                 [("Cache-Control", "no-cache")])
+            try:
+                while True:
                     chunk = await resp.next_chunk()
-                except _UPSTREAM_ERRORS:
-                    upstream_ok = False
-                    break
-                if not chunk:
-                    break
-                await out.write(chunk)
-            await out.write_eof()
-        except _CLIENT_GONE:
-            pass  # the client went away; the finally in _attempt releases the worker
-        if upstream_ok:
+                    if not chunk:
+                        break
+                    await request.write(chunk)
+            except UpstreamError:
+                self._fail(worker)
+                request.end_stream()  # end the stream cleanly; the client sees it cut short
+                return
             worker.breaker.record_success()
-        else:
-            self._fail(worker)
-        return out
+            request.end_stream()
+        except ConnectionResetError:
+            pass  # the client went away; _attempt's finally releases the worker
 
     @staticmethod
     def _fail(worker: Worker) -> None:
@@ -304,7 +269,7 @@ class Router:
         worker.breaker.record_failure()
 
     # ------------------------------------------------------- info handlers
-    async def handle_info(self, request: web.Request) -> web.Response:
+    async def handle_info(self, request: Request) -> Response:
         workers = self.registry.available()
         if not workers:
             return json_error(503, "no healthy worker available", "service_unavailable")
@@ -312,57 +277,53 @@ class Router:
         for i in range(len(workers)):
             worker = workers[(self._rr_info + i) % len(workers)]
             try:
-                async with self.session.get(self._url(worker, request.path),
+                async with self.session.get(worker.url + request.path,
                                             timeout=aiohttp.ClientTimeout(total=30)) as resp:
                     data = await resp.read()
                     if resp.status < 500:
                         self._rr_info += 1
-                        return web.Response(status=resp.status, body=data,
-                                            headers={"Content-Type": resp.headers.get("Content-Type", _JSON)})
+                        return Response(resp.status, data, resp.headers.get("Content-Type", _JSON))
                     last = f"{worker.url} answered {resp.status}"
             except _UPSTREAM_ERRORS as e:
                 last = f"{worker.url}: {type(e).__name__}"
         return json_error(502, f"no worker answered {request.path}: {last}", "bad_gateway")
 
-    async def handle_flush_cache(self, request: web.Request) -> web.Response:
+    async def handle_flush_cache(self, request: Request) -> Response:
         workers = list(self.registry.workers)
 
         async def one(w: Worker):
             try:
-                async with self.session.post(self._url(w, "/flush_cache"),
-                                             timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                    await resp.read()
-                    return resp.status
+                async with self.session.post(w.url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    await r.read()
+                    return r.status
             except _UPSTREAM_ERRORS as e:
                 return f"{type(e).__name__}"
 
         results = await asyncio.gather(*(one(w) for w in workers))
         per = {w.url: s for w, s in zip(workers, results)}
         ok = all(isinstance(s, int) and s < 300 for s in results)
-        return web.Response(status=200 if ok else 500, content_type=_JSON,
-                            body=orjson.dumps({"success": ok, "workers": per}))
+        return Response(200 if ok else 500, orjson.dumps({"success": ok, "workers": per}))
 
-    async def handle_health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200, content_type=_JSON, body=b'{"status":"ok"}')
+    async def handle_health(self, request: Request) -> Response:
+        return Response(200, b'{"status":"ok"}')
 
-    async def handle_readiness(self, request: web.Request) -> web.Response:
+    async def handle_readiness(self, request: Request) -> Response:
         n = len(self.registry.available())
         body = orjson.dumps({"ready": n > 0, "available_workers": n, "workers": len(self.registry)})
-        return web.Response(status=200 if n else 503, content_type=_JSON, body=body)
+        return Response(200 if n else 503, body)
 
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=render(self.metrics_registry),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    async def handle_metrics(self, request: Request) -> Response:
+        return Response(200, render(self.metrics_registry), "text/plain; version=0.0.4; charset=utf-8")
 
     # --------------------------------------------------- worker management
-    async def handle_add_worker(self, request: web.Request) -> web.Response:
+    async def handle_add_worker(self, request: Request) -> Response:
         raw = request.query.get("url")
         if not raw:
             return json_error(400, "missing ?url= query parameter")
         try:
             url = normalize_url(raw)
-            if not URL(url).host:
-                raise ValueError("no host")
+            if not url.startswith("http://") or len(url) <= len("http://"):
+                raise ValueError("only http://host:port workers are supported")
         except ValueError as e:
             return json_error(400, f"bad worker url: {e}")
         if self.registry.get(url) is not None:
@@ -378,10 +339,9 @@ class Router:
         if not self.registry.add(self.new_worker(url)):
             return json_error(400, f"worker {url} is already registered")
         log.info("added worker %s", url)
-        return web.Response(status=200, content_type=_JSON,
-                            body=orjson.dumps({"success": True, "message": f"added worker {url}"}))
+        return Response(200, orjson.dumps({"success": True, "message": f"added worker {url}"}))
 
-    async def handle_remove_worker(self, request: web.Request) -> web.Response:
+    async def handle_remove_worker(self, request: Request) -> Response:
         raw = request.query.get("url")
         if not raw:
             return json_error(400, "missing ?url= query parameter")
@@ -392,16 +352,14 @@ class Router:
         if worker is None:
             return json_error(404, f"worker {raw} is not registered", "not_found_error")
         self.policy.on_worker_removed(worker.url)
-        self._urls = {k: v for k, v in self._urls.items() if k[0] != worker.url}
         self.pool.forget(worker.url)
         log.info("removed worker %s (%d requests still in flight)", worker.url, worker.load)
-        return web.Response(status=200, content_type=_JSON,
-                            body=orjson.dumps({"success": True, "message": f"removed worker {worker.url}"}))
+        return Response(200, orjson.dumps({"success": True, "message": f"removed worker {worker.url}"}))
 
-    async def handle_list_workers(self, request: web.Request) -> web.Response:
+    async def handle_list_workers(self, request: Request) -> Response:
         body = {
             "urls": self.registry.urls(),
             "workers": [{"url": w.url, "healthy": w.healthy, "load": w.load, "circuit": w.breaker.state}
                         for w in self.registry.workers],
         }
-        return web.Response(status=200, content_type=_JSON, body=orjson.dumps(body))
+        return Response(200, orjson.dumps(body))

@@ -11,10 +11,9 @@ import logging
 import signal
 import sys
 
-from aiohttp import web
-
 from .app import Router
 from .config import RouterConfig, parse_args
+from .server import Routes, start_server
 
 log = logging.getLogger("fleetserve.router")
 
@@ -30,27 +29,17 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
             pass
-    runners: list[web.AppRunner] = []
+    servers = []
     try:
         failed = await router.add_initial_workers()
         if failed:
             log.error("workers not healthy within %s s: %s", cfg.worker_startup_timeout_secs, " ".join(failed))
             return 1
-        # handler_cancellation: a client that goes away cancels its handler, so the
-        # upstream request is dropped too (the worker sees the disconnect) and the
-        # load is released at once by the finally in Router._attempt.
-        runner = web.AppRunner(router.make_app(), access_log=None, handle_signals=False,
-                               handler_cancellation=True)
-        await runner.setup()
-        runners.append(runner)
-        await web.TCPSite(runner, cfg.host, cfg.port, backlog=1024).start()
+        servers.append(await start_server(router.make_routes(), cfg.host, cfg.port, cfg.max_payload_size))
         if cfg.prometheus_port:
-            mapp = web.Application()
-            mapp.router.add_get("/metrics", router.handle_metrics)
-            mrunner = web.AppRunner(mapp, access_log=None, handle_signals=False)
-            await mrunner.setup()
-            runners.append(mrunner)
-            await web.TCPSite(mrunner, cfg.prometheus_host, cfg.prometheus_port).start()
+            mroutes = Routes()
+            mroutes.add("GET", "/metrics", router.handle_metrics)
+            servers.append(await start_server(mroutes, cfg.prometheus_host, cfg.prometheus_port, 1024))
         log.info("fleetserve router on http://%s:%d, policy %s, %d workers", cfg.host, cfg.port, cfg.policy,
                  len(router.registry))
         if ready is not None:
@@ -58,8 +47,8 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         await stop.wait()
         return 0
     finally:
-        for r in reversed(runners):
-            await r.cleanup()
+        for srv in servers:
+            srv.close()
         await router.stop()
 
 

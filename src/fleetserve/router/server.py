@@ -1,0 +1,300 @@
+"""A lean HTTP/1.1 server for the router, on asyncio (uvloop) with ``httptools`` parsing.
+
+Why not aiohttp's server: with the upstream client made lean, py-spy showed
+aiohttp's request/response objects, router and writer as the largest Python
+cost per proxied request (docs/router.md).  This module keeps only what the
+router needs; the parsing itself is done by ``httptools`` (llhttp, as in
+uvicorn), never by hand.
+
+What it does:
+
+* keep-alive and pipelined requests, answered in order, one handler at a time
+  per connection;
+* ``Expect: 100-continue``; a body over ``max_body`` bytes is answered 413
+  without being buffered, and the connection is closed;
+* a handler returns a :class:`Response`, or streams with
+  :meth:`Request.start_stream` / :meth:`Request.write` / :meth:`Request.end_stream`
+  (chunked transfer encoding, writes wait while the socket buffer is full);
+* the client going away cancels the running handler (``CancelledError`` in it),
+  so the proxy drops its upstream request at once;
+* unknown path 404, known path with another method 405, malformed request 400,
+  all as OpenAI-style JSON errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from http import HTTPStatus
+from urllib.parse import parse_qs
+
+import httptools
+import orjson
+
+log = logging.getLogger("fleetserve.router")
+
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_WRITE_HIGH = 256 * 1024
+
+
+def _status_line(status: int) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+
+
+class Response:
+    """A complete response: ``status``, ``body`` bytes, ``content_type`` and extra ``headers`` pairs."""
+
+    __slots__ = ("status", "body", "content_type", "headers")
+
+    def __init__(self, status: int = 200, body: bytes = b"", content_type: str = "application/json",
+                 headers: list[tuple[str, str]] | None = None) -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.headers = headers
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(status, orjson.dumps(obj))
+
+
+def json_error(status: int, message: str, err_type: str = "invalid_request_error") -> Response:
+    """An OpenAI-style JSON error: ``{"error": {"message", "type", "code"}}``."""
+    return Response(status, orjson.dumps({"error": {"message": message, "type": err_type, "code": status}}))
+
+
+class Request:
+    """One parsed request.  ``headers``: lower-case name -> value (last one wins)."""
+
+    __slots__ = ("method", "path", "query_string", "headers", "body", "_proto", "_streaming", "keep_alive")
+
+    def __init__(self, proto: "HttpProtocol", method: str, path: str, query_string: str,
+                 headers: dict[str, str], body: bytes, keep_alive: bool) -> None:
+        self._proto = proto
+        self.method = method
+        self.path = path
+        self.query_string = query_string
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self._streaming = False
+
+    @property
+    def query(self) -> dict[str, str]:
+        """Query parameters, first value of each."""
+        return {k: v[0] for k, v in parse_qs(self.query_string).items()}
+
+    # -- streaming
+    def start_stream(self, status: int, content_type: str, headers: list[tuple[str, str]] | None = None) -> None:
+        """Send the status line and headers of a chunked response.  Raises ``ConnectionResetError`` if gone."""
+        proto = self._proto
+        if proto.closed:
+            raise ConnectionResetError("client went away")
+        self._streaming = True
+        head = [_status_line(status), b"Content-Type: ", content_type.encode("latin-1"),
+                b"\r\nTransfer-Encoding: chunked\r\n"]
+        for k, v in headers or ():
+            head += [k.encode("latin-1"), b": ", v.encode("latin-1"), b"\r\n"]
+        if not self.keep_alive:
+            head.append(b"Connection: close\r\n")
+        head.append(b"\r\n")
+        proto.transport.write(b"".join(head))
+
+    async def write(self, data: bytes) -> None:
+        """Send one chunk now; waits while the client reads slower than we write."""
+        proto = self._proto
+        if proto.closed:
+            raise ConnectionResetError("client went away")
+        if data:
+            proto.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        if proto.write_paused:
+            await proto.drain()
+
+    def end_stream(self) -> None:
+        """Send the last chunk."""
+        proto = self._proto
+        if proto.closed:
+            raise ConnectionResetError("client went away")
+        proto.transport.write(b"0\r\n\r\n")
+
+
+class HttpProtocol(asyncio.Protocol):
+    """One client connection."""
+
+    def __init__(self, routes: dict[str, dict[str, object]], max_body: int) -> None:
+        self.routes = routes
+        self.max_body = max_body
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.closed = False
+        self.write_paused = False
+        self._drain: asyncio.Future | None = None
+        self._queue: collections.deque[Request | Response] = collections.deque()
+        self._task: asyncio.Task | None = None
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._size = 0
+        self._too_large = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self._queue.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(ConnectionResetError("client went away"))
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("client went away")
+        if self.write_paused:
+            self._drain = self.loop.create_future()
+            await self._drain
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reply_and_close(json_error(400, "protocol upgrades are not supported"))
+        except httptools.HttpParserError as e:
+            self._reply_and_close(json_error(400, f"malformed HTTP request: {e}"))
+
+    # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = {}
+        self._body = []
+        self._size = 0
+        self._too_large = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            self._too_large = True
+        elif self._headers.get("expect", "").lower() == "100-continue":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if self._too_large:
+            return
+        self._size += len(body)
+        if self._size > self.max_body:
+            self._too_large = True
+            self._body = []
+        else:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._too_large:
+            self._queue.append(json_error(413, f"request body exceeds --max-payload-size {self.max_body} bytes"))
+            self._queue.append(None)  # then close
+        else:
+            url = self._url.decode("latin-1")
+            path, _, query = url.partition("?")
+            body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+            self._queue.append(Request(self, self.parser.get_method().decode("latin-1"), path, query,
+                                       self._headers, body, self.parser.should_keep_alive()))
+        if self._task is None:
+            self._task = self.loop.create_task(self._serve_queue())
+
+    # -- handling
+    async def _serve_queue(self) -> None:
+        try:
+            while self._queue and not self.closed:
+                item = self._queue.popleft()
+                if item is None:
+                    self.transport.close()
+                    return
+                if isinstance(item, Response):  # a 413: answered, then the connection closes
+                    self._send(item, False)
+                    continue
+                keep = item.keep_alive
+                resp = await self._dispatch(item)
+                if self.closed:
+                    return
+                if item._streaming:
+                    if not keep:
+                        self.transport.close()
+                        return
+                    continue
+                self._send(resp, keep)
+                if not keep:
+                    self.transport.close()
+                    return
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._task = None
+
+    async def _dispatch(self, req: Request) -> Response | None:
+        by_method = self.routes.get(req.path)
+        if by_method is None:
+            return json_error(404, f"no route for {req.path}", "not_found_error")
+        handler = by_method.get(req.method)
+        if handler is None:
+            return json_error(405, f"{req.method} is not allowed on {req.path}")
+        try:
+            return await handler(req)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # a bug must not take the connection down silently
+            log.exception("handler for %s failed", req.path)
+            if req._streaming:
+                self.transport.close()
+                return None
+            return json_error(500, f"internal router error: {type(e).__name__}: {e}", "internal_error")
+
+    def _send(self, resp: Response, keep_alive: bool) -> None:
+        body = resp.body
+        parts = [_status_line(resp.status), b"Content-Type: ", resp.content_type.encode("latin-1"),
+                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
+        if resp.headers:
+            for k, v in resp.headers:
+                parts += [k.encode("latin-1"), b": ", v.encode("latin-1"), b"\r\n"]
+        if not keep_alive:
+            parts.append(b"Connection: close\r\n")
+        parts += [b"\r\n", body]
+        self.transport.write(b"".join(parts))
+
+    def _reply_and_close(self, resp: Response) -> None:
+        if not self.closed:
+            self._send(resp, False)
+            self.transport.close()
+
+
+class Routes:
+    """path -> method -> async handler(Request) -> Response | None."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, dict[str, object]] = {}
+
+    def add(self, method: str, path: str, handler) -> None:
+        self.table.setdefault(path, {})[method] = handler
+
+
+async def start_server(routes: Routes, host: str, port: int, max_body: int, backlog: int = 1024) -> asyncio.Server:
+    """Listen on ``host:port``; returns the ``asyncio.Server`` (close it to stop)."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: HttpProtocol(routes.table, max_body), host, port, backlog=backlog,
+                                    reuse_address=True)
