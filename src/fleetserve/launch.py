@@ -1,0 +1,242 @@
+"""``fleetserve launch``: a router plus N engine instances, started and stopped together.
+
+::
+
+    fleetserve launch                                  # SmolLM2, 2 instances, cache_aware
+    fleetserve launch --workers 4 --policy round_robin --dtype float32 --max-total-tokens 65536
+    fleetserve launch --workers 2 --tp-size 2 --dp-size 2 --enable-dp-attention   # per-instance flags
+
+Flags this command does not know are passed to every instance (``fleetserve
+serve``, or ``fleetserve sim-worker`` with ``--worker-kind sim``); ``--host``
+and the ports are set here: the router listens on ``--port``, instance ``i`` on
+``--worker-base-port + i``. Extra router flags go in ``--router-args "..."``.
+
+Life cycle:
+
+1. start every instance, each in its own process group (``start_new_session``),
+   so that stopping the group also stops the instance's scheduler processes;
+2. wait until every instance answers ``GET /health`` with 200 (fail fast if
+   one exits, give up after ``--startup-timeout``); then start the router and
+   wait for its ``/health``; print the router URL and a curl example;
+3. watch the processes: a dead instance is reported, removed from the router
+   (``POST /remove_worker?url=``) and, with ``--restart-workers``, started
+   again on its port and re-registered (``POST /add_worker?url=``) once
+   healthy; a dead router ends the launch;
+4. on SIGINT/SIGTERM (or a dead router) send SIGTERM to every process group,
+   wait ``--shutdown-grace`` seconds, SIGKILL what is left, and return.
+
+Each child's PID is printed (``pid=``) so that scripts and tests can check that
+none is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Child:
+    """One started process (router or instance)."""
+
+    name: str
+    cmd: list[str]
+    url: str
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+    restarts: int = 0
+    pending_since: float | None = None  # restarted, waiting to be healthy before re-registering
+
+    def start(self) -> None:
+        out = open(self.log, "ab") if self.log else None
+        try:
+            self.proc = subprocess.Popen(self.cmd, start_new_session=True, stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=subprocess.STDOUT if out else None)
+        finally:
+            if out:
+                out.close()
+        print(f"[launch] started {self.name} pid={self.proc.pid} {self.url}", flush=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # pgid == pid under start_new_session
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fleetserve launch", description="Start a router plus N engine instances; unknown flags go to every "
+        "instance.", formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    p.add_argument("--workers", type=int, default=2, help="number of engine instances")
+    p.add_argument("--host", default="127.0.0.1", help="address of the router and the instances")
+    p.add_argument("--port", type=int, default=30000, help="router port")
+    p.add_argument("--worker-base-port", type=int, default=31000, help="instance i listens on this + i")
+    p.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin", "random", "power_of_two"))
+    p.add_argument("--router-args", default="", help='extra router flags, one string: "--cache-threshold 0.5"')
+    p.add_argument("--worker-kind", choices=("engine", "sim"), default="engine",
+                   help="engine: fleetserve serve; sim: fleetserve sim-worker (simulated, see bench docs)")
+    p.add_argument("--restart-workers", action="store_true", help="restart a dead instance and re-register it")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for all to be healthy")
+    p.add_argument("--shutdown-grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--log-dir", default=None, help="write each child's output to <log-dir>/<name>.log "
+                   "(default: inherit this terminal)")
+    return p
+
+
+def _http(url: str, method: str = "GET", timeout: float = 2.0) -> int:
+    """Status code of a bodiless request, 0 when unreachable."""
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0
+
+
+class Launcher:
+    """Owns the children; see the module docstring for the life cycle."""
+
+    def __init__(self, args: argparse.Namespace, instance_args: list[str]):
+        self.args = args
+        self.stopping = False
+        log_dir = Path(args.log_dir) if args.log_dir else None
+        if log_dir:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        py = [sys.executable, "-m", "fleetserve.cli"]
+        sub = "serve" if args.worker_kind == "engine" else "sim-worker"
+        self.workers = []
+        for i in range(args.workers):
+            port = args.worker_base_port + i
+            cmd = py + [sub, *instance_args, "--host", args.host, "--port", str(port)]
+            self.workers.append(Child(f"worker{i}", cmd, f"http://{args.host}:{port}",
+                                      log=log_dir / f"worker{i}.log" if log_dir else None))
+        self.router_url = f"http://{args.host}:{args.port}"
+        rcmd = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
+                     "--worker-urls", *[w.url for w in self.workers], *shlex.split(args.router_args)]
+        self.router = Child("router", rcmd, self.router_url, log=log_dir / "router.log" if log_dir else None)
+
+    # ---------------------------------------------------------------- helpers
+    def _on_signal(self, signum, _frame) -> None:
+        print(f"[launch] {signal.Signals(signum).name}: stopping", flush=True)
+        self.stopping = True
+
+    def _wait_healthy(self, children: list[Child], deadline: float) -> bool:
+        waiting = list(children)
+        while waiting:
+            if self.stopping:
+                return False
+            for c in list(waiting):
+                if not c.alive():
+                    print(f"[launch] {c.name} exited with code {c.proc.returncode} during start-up", flush=True)
+                    return False
+                if _http(c.url + "/health") == 200:
+                    print(f"[launch] {c.name} healthy at {c.url}", flush=True)
+                    waiting.remove(c)
+            if time.monotonic() > deadline:
+                print(f"[launch] not healthy within {self.args.startup_timeout} s: "
+                      f"{', '.join(c.name for c in waiting)}", flush=True)
+                return False
+            time.sleep(0.25)
+        return True
+
+    def shutdown(self) -> None:
+        everyone = [self.router, *self.workers]
+        for c in everyone:
+            c.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.args.shutdown_grace
+        for c in everyone:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"[launch] {c.name} did not stop within {self.args.shutdown_grace} s: SIGKILL", flush=True)
+            c.signal_group(signal.SIGKILL)  # also reaps grandchildren left in the group
+            try:
+                c.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+        print("[launch] all processes stopped", flush=True)
+
+    def _watch_workers(self) -> None:
+        for w in self.workers:
+            if w.pending_since is not None:
+                if not w.alive():
+                    w.pending_since = None  # died again during restart: handled below
+                elif _http(w.url + "/health") == 200:
+                    status = _http(f"{self.router_url}/add_worker?url={w.url}", "POST", timeout=30)
+                    print(f"[launch] {w.name} back: re-registered with the router (status {status})", flush=True)
+                    w.pending_since = None
+                    continue
+                else:
+                    continue
+            if w.alive():
+                continue
+            print(f"[launch] {w.name} (pid {w.proc.pid}) exited with code {w.proc.returncode}", flush=True)
+            w.signal_group(signal.SIGKILL)  # its scheduler processes, if any are left
+            _http(f"{self.router_url}/remove_worker?url={w.url}", "POST", timeout=10)
+            if self.args.restart_workers:
+                w.restarts += 1
+                w.start()
+                w.pending_since = time.monotonic()
+            else:
+                w.proc = None  # stop watching it
+                self.workers = [x for x in self.workers if x is not w]
+
+    # ------------------------------------------------------------------- run
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        code = 0
+        try:
+            for w in self.workers:
+                w.start()
+            deadline = time.monotonic() + self.args.startup_timeout
+            if not self._wait_healthy(self.workers, deadline):
+                return 0 if self.stopping else 1
+            self.router.start()
+            if not self._wait_healthy([self.router], deadline):
+                return 0 if self.stopping else 1
+            body = '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32}'
+            print(f"[launch] router ready: {self.router_url} ({self.args.policy}, {len(self.workers)} instances)\n"
+                  f"[launch] try: curl {self.router_url}/v1/chat/completions -H 'Content-Type: application/json' "
+                  f"-d '{body}'", flush=True)
+            while not self.stopping:
+                time.sleep(0.5)
+                if not self.router.alive():
+                    print(f"[launch] router exited with code {self.router.proc.returncode}; stopping", flush=True)
+                    code = 1
+                    break
+                self._watch_workers()
+            return code
+        finally:
+            self.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, instance_args = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if args.workers < 1:
+        print("--workers must be >= 1", file=sys.stderr)
+        return 2
+    return Launcher(args, instance_args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

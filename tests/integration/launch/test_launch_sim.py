@@ -1,0 +1,55 @@
+"""``fleetserve launch`` with simulated instances: serve through the router, restart a
+killed instance, stop on SIGTERM leaving no process (checked by PID)."""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch_helpers import LaunchProc, alive, chat, descendants, get_json  # noqa: E402
+
+PORT, BASE = 35800, 35810
+
+
+@pytest.mark.timeout(120)
+def test_launch_sim_restart_and_clean_stop():
+    lp = LaunchProc(["--worker-kind", "sim", "--workers", "2", "--port", str(PORT), "--worker-base-port", str(BASE),
+                     "--restart-workers", "--shutdown-grace", "10", "--router-args", "--health-check-interval-secs 1",
+                     "--stream-interval", "2"])
+    try:
+        lp.wait_for(r"router ready: http://127\.0\.0\.1:35800", 60)
+        lp.wait_for(r"try: curl http://127\.0\.0\.1:35800/v1/chat/completions", 5)
+        url = f"http://127.0.0.1:{PORT}"
+        status, body = chat(url, "hello there fleet", max_tokens=5)
+        assert status == 200 and body["usage"]["completion_tokens"] == 5
+        assert body["worker_id"] in (f"127.0.0.1:{BASE}", f"127.0.0.1:{BASE + 1}")
+        first = lp.pids()
+        assert set(first) == {"worker0", "worker1", "router"}
+        every = set(first.values())
+        for p in first.values():
+            every |= descendants(p)
+
+        # kill one instance: it is restarted on its port and re-registered
+        os.kill(first["worker1"], signal.SIGKILL)
+        lp.wait_for(r"worker1 .*exited", 20)
+        lp.wait_for(r"worker1 back: re-registered with the router \(status 200\)", 60)
+        new_pid = lp.pids()["worker1"]
+        assert new_pid != first["worker1"] and alive(new_pid)
+        every.add(new_pid)
+        every |= descendants(new_pid)
+        urls = get_json(url + "/list_workers")["urls"]
+        assert sorted(urls) == [f"http://127.0.0.1:{BASE}", f"http://127.0.0.1:{BASE + 1}"]
+        served = {chat(url, f"question number {i} " + "x " * (i * 40), max_tokens=2)[1]["worker_id"]
+                  for i in range(8)}
+        assert f"127.0.0.1:{BASE + 1}" in served  # the restarted instance serves again
+    finally:
+        code = lp.stop()
+    assert code == 0, lp.lines[-20:]
+    assert any("all processes stopped" in line for line in lp.lines)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in every) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in every if alive(p)] == []
