@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fleetserve.distributed.comm_stats import timed
+
 
 @dataclass
 class ParallelState:
@@ -39,6 +41,8 @@ class ParallelState:
         moe_tp_rank, moe_tp_size: within an expert, the intermediate dim is split over it.
         tp_group: device group over all ``tp_size`` ranks (None when single).
         attn_tp_group: device group of this rank's attention group.
+        attn_dp_group: device group of the ranks sharing this rank's ``attn_tp_rank``
+            across attention groups (DP attention gathers tokens over it).
         ep_group / moe_tp_group: groups for expert dispatch and expert-TP reduce.
         cpu_group: gloo group over all ranks, for small per-step control collectives.
         moe_a2a_backend: ``"allgather"`` or ``"all_to_all"`` (EP token dispatch).
@@ -57,6 +61,7 @@ class ParallelState:
     moe_tp_size: int = 1
     tp_group: Any = None
     attn_tp_group: Any = None
+    attn_dp_group: Any = None
     ep_group: Any = None
     moe_tp_group: Any = None
     cpu_group: Any = None
@@ -67,6 +72,13 @@ class ParallelState:
     def enable_dp_attention(self) -> bool:
         return self.attn_dp_size > 1
 
+    def local_expert_range(self, n_routed_experts: int) -> tuple[int, int]:
+        """``[start, end)`` of the routed experts this rank holds (contiguous, EP).
+
+        Raises ValueError if ``n_routed_experts`` is not divisible by ``ep_size``.
+        """
+        return shard_range(n_routed_experts, self.ep_rank, self.ep_size)
+
 
 SINGLE = ParallelState()
 
@@ -74,7 +86,8 @@ SINGLE = ParallelState()
 def all_reduce(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     """Sum ``x`` over ``group`` in place (identity when ``size == 1``)."""
     if size > 1:
-        dist.all_reduce(x, group=group)
+        with timed("all_reduce"):
+            dist.all_reduce(x, group=group)
     return x
 
 
@@ -83,7 +96,8 @@ def all_gather_cat(x: torch.Tensor, group: Any, size: int, dim: int = -1) -> tor
     if size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with timed("all_gather"):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 
