@@ -2,7 +2,7 @@
 
 Each worker is an aiohttp server with ``/v1/completions``,
 ``/v1/chat/completions``, ``/generate`` (streaming or not), ``/health``,
-``/v1/models``, ``/get_server_info``, ``/get_load``, ``/metrics`` and
+``/v1/models``, ``/get_model_info``, ``/get_server_info``, ``/get_load``, ``/metrics`` and
 ``/flush_cache``. Behind it a :class:`~fleetserve.bench.sim_engine.SimEngine`
 keeps the engine's real radix cache and answers after the modelled service
 time. Usage reports ``prompt_tokens_details.cached_tokens`` like a real worker.
@@ -68,6 +68,7 @@ class SimWorker:
         r.add_get("/health_generate", self.health)
         r.add_get("/v1/models", self.models)
         r.add_get("/get_server_info", self.server_info)
+        r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_load", self.get_load)
         r.add_get("/metrics", self.metrics)
         r.add_route("*", "/flush_cache", self.flush_cache)
@@ -80,6 +81,10 @@ class SimWorker:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "fleetserve-sim",
              "max_model_len": self.engine.model.max_total_tokens}]})
+
+    async def model_info(self, _req: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_name, "tokenizer_path": self.tok.name,
+                                  "is_generation": True})
 
     async def server_info(self, _req: web.Request) -> web.Response:
         return web.json_response({"model_path": self.model_name, "worker_id": self.engine.name, "url": self.url,
