@@ -135,6 +135,7 @@ class ModelRunner:
         """Run one batch; returns float32 logits ``[B, vocab]`` (or ``[T, vocab]``
         with ``return_all_logits``; ``[0, vocab]`` for IDLE)."""
         meta = AttentionMetadata.build(batch, self.device)
+        meta.global_num_tokens = batch.global_num_tokens  # DP attention's FFN gather (issue 5)
         hidden = self.model(batch.input_ids.to(self.device), meta, self.kv_pool)
         if not batch.return_all_logits:
             hidden = hidden.index_select(0, meta.last_token_idx)

@@ -44,6 +44,8 @@ class AttentionMetadata:
         q_scatter: int64 ``[T]`` padded position ``b * S + i`` of each flat token,
             or None (identity).
         last_token_idx: int64 ``[B]`` flat index of each request's last new token.
+        global_num_tokens: DP attention only: every attention group's token count this
+            step (``ForwardBatch.global_num_tokens``), for the FFN gather; else None.
     """
 
     mode: ForwardMode
@@ -57,6 +59,7 @@ class AttentionMetadata:
     batch_size: int
     max_q_len: int
     num_tokens: int
+    global_num_tokens: list[int] | None = None
 
     @classmethod
     def build(cls, batch: ForwardBatch, device: torch.device | str | None = None) -> "AttentionMetadata":

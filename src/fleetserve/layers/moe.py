@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.distributed.parallel_state import SINGLE, ParallelState, all_reduce, shard_range
-from fleetserve.layers.linear import full_tp_group, moe_tp_group
+from fleetserve.distributed.moe_dispatch import EPDispatcher
+from fleetserve.layers.linear import NO_TP, full_tp_group, moe_tp_group
 from fleetserve.layers.mlp import GatedMLP, activation
 
 
@@ -206,9 +207,13 @@ class DeepseekMoE(nn.Module):
                              float(getattr(config, "routed_scaling_factor", 1.0)), with_bias=method == "noaux_tc")
         self.experts = RoutedExperts(config.hidden_size, config.moe_intermediate_size, n_experts, config.hidden_act,
                                      pstate, dtype)
+        # Expert parallelism (issue 5): the dispatcher moves tokens to the ranks holding
+        # their experts; shared experts are then replicated (not TP-split) on every rank.
+        self.dispatcher = EPDispatcher(pstate, n_experts) if pstate.ep_size > 1 else None
         n_shared = getattr(config, "n_shared_experts", 0) or 0
+        shared_tp = NO_TP if self.dispatcher is not None else self.tp
         self.shared_experts = (GatedMLP(config.hidden_size, config.moe_intermediate_size * n_shared,
-                                        config.hidden_act, tp=self.tp, dtype=dtype, reduce_results=False)
+                                        config.hidden_act, tp=shared_tp, dtype=dtype, reduce_results=False)
                                if n_shared else None)
 
     def load(self, source: Any, prefix: str) -> None:
@@ -219,8 +224,11 @@ class DeepseekMoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.load(source, f"{prefix}.shared_experts")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, replicated_over_tp: bool = True) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
+        if self.dispatcher is not None:  # EP: allgather or all_to_all (fleetserve.distributed.moe_dispatch)
+            out = self.dispatcher(x, topk_ids, topk_weights, self.experts, replicated_over_tp)
+            return out + self.shared_experts(x) if self.shared_experts is not None else out
         out = self.experts(x, topk_ids, topk_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

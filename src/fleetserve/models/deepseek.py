@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from fleetserve.distributed.dp_attention import gather_tokens, scatter_tokens
 from fleetserve.distributed.parallel_state import SINGLE, ParallelState
 from fleetserve.engine.kv_pool import MLAKVPool
 from fleetserve.layers.attention import AttentionMetadata
@@ -44,6 +45,7 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         H = config.hidden_size
         self.layer_id = layer_id
+        self.pstate = pstate
         self.self_attn = MLAttention(config, layer_id, rotary, attn_tp_group(pstate), dtype)
         self.is_moe = is_moe_layer(config, layer_id)
         if self.is_moe:
@@ -55,7 +57,18 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, pool: MLAKVPool) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._ffn(self.post_attention_layernorm(x), meta)
+
+    def _ffn(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The MLP / MoE; under DP attention on every group's tokens (gathered, then own rows kept)."""
+        ps = self.pstate
+        if ps.attn_dp_size == 1:
+            return self.mlp(h)
+        dispatcher = getattr(self.mlp, "dispatcher", None)
+        if dispatcher is not None and not dispatcher.wants_dp_gather:  # all_to_all sends own tokens
+            return self.mlp(h, replicated_over_tp=False)
+        counts = meta.global_num_tokens
+        return scatter_tokens(self.mlp(gather_tokens(h, counts, ps)), counts, ps)
 
     def load(self, source: Any, prefix: str) -> None:
         self.self_attn.load(source, f"{prefix}.self_attn")
