@@ -322,6 +322,17 @@ def build_parallel_state(cfg: ParallelConfig, tp_rank: int, *, device: str = "cp
                 group = make(ranks, backend)
             if tp_rank in ranks:
                 mine[family] = group
+    # A gloo twin of the attention group for Python-object broadcasts (requests).
+    attn_tp_cpu = None
+    for ranks in group_lists(cfg)["attn_tp"]:
+        if len(ranks) == 1:
+            continue
+        if backend == "gloo":
+            group = mine.get("attn_tp") if tp_rank in ranks else None
+        else:
+            group = cpu_group if len(ranks) == cfg.tp_size else make(ranks, "gloo")
+        if tp_rank in ranks:
+            attn_tp_cpu = group
     logger.info("rank %d: attn_tp %s attn_dp %s ep %s moe_tp %s", tp_rank, lay.attn_tp_ranks,
                 lay.attn_dp_ranks, lay.ep_ranks, lay.moe_tp_ranks)
     return ParallelState(
@@ -332,6 +343,7 @@ def build_parallel_state(cfg: ParallelConfig, tp_rank: int, *, device: str = "cp
         moe_tp_rank=lay.moe_tp_rank, moe_tp_size=cfg.moe_tp_size,
         tp_group=tp_group, attn_tp_group=mine.get("attn_tp"), attn_dp_group=mine.get("attn_dp"),
         ep_group=mine.get("ep"), moe_tp_group=mine.get("moe_tp"), cpu_group=cpu_group,
+        attn_tp_cpu_group=attn_tp_cpu,
         moe_a2a_backend=cfg.moe_a2a_backend, device=str(device),
     )
 

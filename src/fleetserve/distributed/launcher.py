@@ -176,15 +176,26 @@ class RankLauncher:
 
     def start_watchdog(self, on_failure: Callable[[RankFailedError], None]) -> threading.Thread:
         """Watch the ranks from a daemon thread; on the first death stop the rest and call
-        ``on_failure(err)`` (the HTTP process logs it and exits)."""
+        ``on_failure(err)`` (a server logs it and exits).
+
+        A rank that exits with status 0 was asked to stop (SIGTERM during shutdown) and
+        is not a failure; any other status or signal is.
+        """
 
         def run() -> None:
-            try:
-                while not self._stopping:
-                    self.wait_any(timeout=0.5)
-            except RankFailedError as err:
-                logger.error("%s", err)
-                on_failure(err)
+            pending = dict(self.procs)
+            while pending and not self._stopping:
+                sentinels = {p.sentinel: r for r, p in pending.items()}
+                for s in mp_wait(list(sentinels), timeout=0.5):
+                    r = sentinels[s]
+                    p = pending.pop(r)
+                    p.join(0.1)
+                    if p.exitcode != 0 and not self._stopping:
+                        err = RankFailedError(r, p.pid, p.exitcode)
+                        logger.error("%s", err)
+                        self.stop()
+                        on_failure(err)
+                        return
 
         t = threading.Thread(target=run, name=f"{self.name}-watchdog", daemon=True)
         t.start()

@@ -45,6 +45,8 @@ class ParallelState:
             across attention groups (DP attention gathers tokens over it).
         ep_group / moe_tp_group: groups for expert dispatch and expert-TP reduce.
         cpu_group: gloo group over all ranks, for small per-step control collectives.
+        attn_tp_cpu_group: gloo group of this rank's attention group (the group's first
+            rank broadcasts the requests it received to the others).
         moe_a2a_backend: ``"allgather"`` or ``"all_to_all"`` (EP token dispatch).
         device: torch device of this rank.
     """
@@ -65,6 +67,7 @@ class ParallelState:
     ep_group: Any = None
     moe_tp_group: Any = None
     cpu_group: Any = None
+    attn_tp_cpu_group: Any = None
     moe_a2a_backend: str = "allgather"
     device: str = "cpu"
 

@@ -121,3 +121,102 @@ class DPController:
         """Unfinished requests per rank."""
         with self._lock:
             return list(self._num_reqs)
+
+
+class DPRelay:
+    """Between the tokenizer manager and the ``dp_size`` ranks' schedulers (a thread).
+
+    The tokenizer manager binds one PUSH (requests) and one PULL (outputs)
+    socket. The relay connects to both, binds one PUSH per DP rank
+    (``rank_endpoints[d]``; the first rank of DP rank ``d``'s attention group, or of
+    replica ``d``, connects its PULL there) and one PULL that every such rank
+    pushes its outputs to (``outputs_endpoint``).
+
+    Routing: a :class:`TokenizedGenerateReq` goes to :meth:`DPController.assign`'s
+    rank; an :class:`AbortReq` to the rank serving it (to all when unknown);
+    flush and stats requests to every rank. Outputs are forwarded unchanged and
+    update the controller's loads (tokens generated, finished requests).
+
+    Args:
+        controller: the :class:`DPController`.
+        tm_send_endpoint / tm_recv_endpoint: the tokenizer manager's bound PUSH / PULL.
+        rank_endpoints: one address per DP rank to bind a PUSH on.
+        outputs_endpoint: address to bind the ranks' output PULL on.
+    """
+
+    def __init__(self, controller: DPController, tm_send_endpoint: str, tm_recv_endpoint: str,
+                 rank_endpoints: list[str], outputs_endpoint: str):
+        import zmq
+
+        if len(rank_endpoints) != controller.dp_size:
+            raise ValueError(f"{len(rank_endpoints)} rank endpoints for dp_size {controller.dp_size}")
+        self.controller = controller
+        self.ctx = zmq.Context()
+        self.from_tm = self.ctx.socket(zmq.PULL)
+        self.from_tm.connect(tm_send_endpoint)
+        self.to_tm = self.ctx.socket(zmq.PUSH)
+        self.to_tm.setsockopt(zmq.LINGER, 0)
+        self.to_tm.connect(tm_recv_endpoint)
+        self.to_ranks = []
+        for ep in rank_endpoints:
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.bind(ep)
+            self.to_ranks.append(s)
+        self.from_ranks = self.ctx.socket(zmq.PULL)
+        self.from_ranks.bind(outputs_endpoint)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "DPRelay":
+        self._thread = threading.Thread(target=self._run, name="dp-relay", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+    def _run(self) -> None:
+        import logging
+        import pickle
+
+        import zmq
+
+        from fleetserve.engine.io_struct import AbortReq, BatchTokenOut, TokenizedGenerateReq
+
+        log = logging.getLogger(__name__)
+        poller = zmq.Poller()
+        poller.register(self.from_tm, zmq.POLLIN)
+        poller.register(self.from_ranks, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(200):
+                    raw = sock.recv()
+                    try:
+                        msg = pickle.loads(raw)
+                    except Exception:
+                        log.exception("undecodable message dropped by the DP relay")
+                        continue
+                    if sock is self.from_ranks:
+                        if isinstance(msg, BatchTokenOut):
+                            for o in msg.outputs:
+                                self.controller.on_tokens(o.rid, len(o.new_token_ids), o.finished)
+                        self.to_tm.send(raw)
+                    elif isinstance(msg, TokenizedGenerateReq):
+                        try:
+                            rank = self.controller.assign(msg.rid, len(msg.input_ids))
+                        except ValueError:
+                            log.exception("request %s dropped by the DP relay", msg.rid)
+                            continue
+                        self.to_ranks[rank].send(raw)
+                    elif isinstance(msg, AbortReq) and self.controller.rank_of(msg.rid) is not None:
+                        self.to_ranks[self.controller.rank_of(msg.rid)].send(raw)
+                    else:  # flush, stats, aborts of unknown requests: every rank
+                        for s in self.to_ranks:
+                            s.send(raw)
+        finally:
+            for s in (self.from_tm, self.to_tm, self.from_ranks, *self.to_ranks):
+                s.close(0)
+            self.ctx.term()

@@ -1,0 +1,210 @@
+"""One scheduler + model runner process per rank, and how an instance starts them.
+
+:func:`launch_rank_schedulers` is what ``fleetserve serve`` calls for more than
+one rank. It validates the sizes against the model, then starts
+
+* one process per rank (:func:`run_rank`, through :class:`RankLauncher`): it
+  joins its replica's process group, builds its :class:`ParallelState`, loads
+  its model shard and KV pool, and runs the scheduler loop;
+* a :class:`~fleetserve.engine.dp_controller.DPRelay` thread in the calling
+  (HTTP) process, which assigns each request to one DP rank;
+* a watchdog thread: when any rank exits, the other ranks are stopped and
+  the calling process exits with status 1 after logging which rank died.
+
+Inside one attention group (``attn_tp_size`` ranks, i.e. plain TP), only the
+group's first rank talks to the relay; it broadcasts what it received to the
+others over the group's gloo CPU group every loop iteration (at least every
+``HEARTBEAT_S`` seconds while idle, so the broadcast never reaches the
+collective timeout), and only it sends outputs. All ranks of a group step in
+lockstep on identical inputs; they share one sampling seed so that sampled
+tokens agree.
+
+Under DP attention each attention group also uses the scheduling rule of
+:func:`fleetserve.distributed.dp_attention.dp_schedule_rule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import signal
+import tempfile
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+
+
+def _loop_class():
+    import torch.distributed as dist
+    import zmq
+
+    from fleetserve.engine.scheduler_process import IDLE_POLL_MS, SchedulerLoop
+
+    class RankSchedulerLoop(SchedulerLoop):
+        """:class:`SchedulerLoop` whose attention group's first rank receives for all."""
+
+        def __init__(self, *a: Any, pstate: Any, leader: bool, **kw: Any):
+            super().__init__(*a, **kw)
+            self.pstate = pstate
+            self.leader = leader
+            self.src = pstate.attn_dp_rank * pstate.attn_tp_size  # the group's first rank
+
+        def recv_requests(self, block: bool) -> list[Any]:
+            if self.pstate.attn_tp_size == 1:
+                return super().recv_requests(block)
+            msgs: list[Any] = []
+            if self.leader:
+                if block:
+                    timeout = IDLE_POLL_MS if self.always_step else int(HEARTBEAT_S * 1000)
+                    self.poller.poll(timeout)
+                msgs = super().recv_requests(block=False)
+            box = [msgs]
+            dist.broadcast_object_list(box, src=self.src, group=self.pstate.attn_tp_cpu_group)
+            return box[0]
+
+        def _send(self, obj: Any) -> None:
+            if self.leader:
+                super()._send(obj)
+
+    return RankSchedulerLoop, zmq
+
+
+def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoints: list[str],
+             outputs_endpoint: str, ready_writer: Any) -> None:
+    """Process entry point of one rank (see module docstring)."""
+    from fleetserve.distributed.dp_attention import dp_schedule_rule
+    from fleetserve.distributed.init import ParallelConfig, init_distributed
+
+    tp_size = int(args.tp_size)
+    replica, tp_rank = divmod(global_rank, tp_size)
+    logging.basicConfig(level=str(args.log_level).upper(),
+                        format=f"%(asctime)s %(levelname)s rank[{global_rank}] %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    try:
+        import torch
+
+        from fleetserve.engine.scheduler import Scheduler
+        from fleetserve.engine.scheduler_process import _make_runner, dp_attention_hook, load_tokenizer_for
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.world_size)))
+        cfg = ParallelConfig.from_server_args(args)
+        device = str(args.device)
+        if device.startswith("cuda"):
+            per_node = args.world_size // max(1, args.nnodes)
+            device = f"cuda:{global_rank % per_node}"
+        ps = init_distributed(cfg, tp_rank, init_methods[replica], device=device,
+                              timeout_s=float(args.dist_timeout))
+        cons, chunk = dp_schedule_rule(args.schedule_conservativeness, args.chunked_prefill_size, ps.attn_dp_size)
+        args = dataclasses.replace(args, schedule_conservativeness=cons, chunked_prefill_size=chunk, device=device)
+        runner = _make_runner(args, ps)
+        tokenizer = load_tokenizer_for(args)
+        hook = dp_attention_hook(ps, device) if ps.attn_dp_size > 1 else None
+        scheduler = Scheduler(args, runner, tokenizer=tokenizer, dp_hook=hook)
+        dp_rank = ps.attn_dp_rank if ps.attn_dp_size > 1 else replica
+        leader = ps.attn_tp_rank == 0
+        loop_cls, zmq = _loop_class()
+        ctx = zmq.Context()
+        recv = ctx.socket(zmq.PULL)
+        send = ctx.socket(zmq.PUSH)
+        send.setsockopt(zmq.LINGER, 0)
+        if leader:
+            recv.connect(rank_endpoints[dp_rank])
+            send.connect(outputs_endpoint)
+    except Exception as e:  # report why, then exit non-zero (the launcher stops the others)
+        logger.exception("rank %d start-up failed", global_rank)
+        ready_writer.send({"status": "error", "error": f"rank {global_rank}: {type(e).__name__}: {e}"})
+        os._exit(1)
+    ready_writer.send({
+        "status": "ready", "vocab_size": scheduler.vocab_size, "max_context_len": scheduler.max_context_len,
+        "eos_token_ids": sorted(scheduler.eos_ids), "max_total_tokens": scheduler.pool_size,
+        "kv_bytes_per_token": int(getattr(runner, "kv_bytes_per_token", 0) or 0), "dp_rank": dp_rank,
+        "tp_rank": tp_rank, "rank": global_rank,
+    })
+    logger.info("rank %d ready: dp_rank %d, KV %d tokens x %d bytes per token on this rank", global_rank, dp_rank,
+                scheduler.pool_size, int(getattr(runner, "kv_bytes_per_token", 0) or 0))
+    loop = loop_cls(scheduler, recv, send, dp_rank=dp_rank, always_step=hook is not None, pstate=ps, leader=leader)
+    try:
+        loop.run_forever()
+    except Exception:
+        logger.exception("rank %d failed", global_rank)
+        os._exit(1)
+
+
+class RankInstance:
+    """What :func:`launch_rank_schedulers` started (processes, relay, launcher)."""
+
+    def __init__(self, launcher: Any, relay: Any, readers: list[Any], ipc_dir: str):
+        self.launcher = launcher
+        self.relay = relay
+        self.readers = readers
+        self.ipc_dir = ipc_dir
+
+    @property
+    def procs(self) -> list[Any]:
+        return list(self.launcher.procs.values())
+
+    def stop(self) -> None:
+        self.launcher.stop()
+        self.relay.stop()
+
+
+def validate_for_model(args: Any) -> None:
+    """Refuse impossible sizes for ``args.model_path`` (raises ParallelConfigError)."""
+    from fleetserve.distributed.init import ModelShape, ParallelConfig, validate
+    from fleetserve.models.config import load_model_config
+
+    cfg = ParallelConfig.from_server_args(args)
+    validate(cfg)
+    if args.model_path is not None:
+        validate(cfg, ModelShape.from_hf_config(load_model_config(args.model_path)))
+
+
+def launch_rank_schedulers(args: Any, input_endpoint: str, output_endpoint: str, watchdog: bool = True,
+                           on_failure: Any = None) -> RankInstance:
+    """Start every rank of this node plus the DP relay (see module docstring).
+
+    Args:
+        args: ``ServerArgs`` with ``world_size > 1``.
+        input_endpoint / output_endpoint: the tokenizer manager's bound PUSH / PULL.
+        watchdog: stop everything when a rank dies and call ``on_failure(err)``
+            (default: log and exit this process with status 1).
+
+    Returns:
+        A :class:`RankInstance`; its ``readers`` yield each rank's ready dict.
+
+    Raises:
+        ParallelConfigError: impossible sizes for this model. NotImplementedError: ``nnodes > 1``.
+    """
+    import multiprocessing as mp
+
+    from fleetserve.distributed.launcher import RankLauncher, exit_instance, replica_init_methods
+    from fleetserve.engine.dp_controller import DPController, DPRelay
+
+    validate_for_model(args)
+    if args.nnodes > 1:
+        raise NotImplementedError("several nodes: process groups support it (--dist-init-addr), but the "
+                                  "request relay across machines is not built yet")
+    if args.random_seed is None:  # one seed for all ranks, so TP ranks sample alike
+        args = dataclasses.replace(args, random_seed=random.randrange(1 << 31))
+    num_replicas = 1 if args.enable_dp_attention else args.dp_size
+    init_methods = replica_init_methods(num_replicas, args.dist_init_addr)
+    ipc_dir = tempfile.mkdtemp(prefix="fleetserve-ranks-")
+    rank_eps = [f"ipc://{ipc_dir}/rank{d}_in" for d in range(args.dp_size)]
+    out_ep = f"ipc://{ipc_dir}/ranks_out"
+    relay = DPRelay(DPController(args.dp_size, args.load_balance_method), input_endpoint, output_endpoint,
+                    rank_eps, out_ep).start()
+    ctx = mp.get_context("forkserver")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
+    launcher = RankLauncher(run_rank, range(args.world_size),
+                            args_for_rank=lambda r: (args, init_methods, rank_eps, out_ep, pipes[r][1]),
+                            preload=("torch",), name="fleetserve-rank")
+    launcher.start()
+    for _, w in pipes:
+        w.close()
+    if watchdog:
+        launcher.start_watchdog(on_failure or exit_instance)
+    return RankInstance(launcher, relay, [r for r, _ in pipes], ipc_dir)
