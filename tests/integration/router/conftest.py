@@ -45,9 +45,9 @@ class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def spawn(self, args: list[str]) -> subprocess.Popen:
+    def spawn(self, args: list[str], env: dict | None = None) -> subprocess.Popen:
         log = tempfile.TemporaryFile()
-        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         p.log = log
         self.procs.append(p)
         return p
@@ -71,6 +71,16 @@ class Procs:
         p = self.spawn(args)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", proc=p)
+        return url, p
+
+    def engine(self, *extra: str, timeout: float = 240.0) -> tuple[str, subprocess.Popen]:
+        """A real ``fleetserve serve`` instance (default model), torch limited to 2 threads."""
+        port = free_port()
+        env = dict(os.environ, OMP_NUM_THREADS="2")
+        p = self.spawn([sys.executable, "-m", "fleetserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                        *extra], env=env)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", timeout=timeout, proc=p)
         return url, p
 
     def kill(self, p: subprocess.Popen) -> None:
