@@ -65,3 +65,23 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], n_new: int) -> list[tupl
                 ids.append(int(logits.argmax()))
             out.append((ids[len(p):], torch.stack(rows)))
     return out
+
+
+def capacity_job(rank, world, model_dir, sizes, max_total_tokens, prompts, n_new):
+    """Fill the instance: every attention group gets ``prompts[d::D]`` at once.
+    Returns the pool size, bytes per token, and the peak KV tokens this rank held."""
+    eng = build_rank_engine(rank, model_dir, timeout_s=rank_pool.TIMEOUT_S, dtype="float32",
+                            max_total_tokens=max_total_tokens, chunked_prefill_size=-1, **sizes)
+    ps = eng.pstate
+    mine = [i for i in range(len(prompts)) if i % ps.attn_dp_size == ps.attn_dp_rank]
+    peak = [0]
+
+    def watch(_i, sched):
+        st = sched.get_stats()
+        peak[0] = max(peak[0], st.kv_used_tokens)
+
+    out = drive(eng, {0: [greedy_req(f"c{i}", prompts[i], n_new) for i in mine]}, on_step=watch)
+    st = eng.scheduler.get_stats()
+    return {"attn_dp_rank": ps.attn_dp_rank, "attn_tp_rank": ps.attn_tp_rank, "kv_pool_size": st.kv_pool_size,
+            "kv_bytes_per_token": st.kv_bytes_per_token, "peak_used": peak[0],
+            "finished": sorted(r for r, v in out["reqs"].items() if v["finish_reason"] is not None)}

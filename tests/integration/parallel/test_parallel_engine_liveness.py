@@ -1,0 +1,83 @@
+"""Liveness of DP attention (IDLE batches, skipped steps, aborts, waking up) and its KV capacity."""
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from parallel_jobs import hf_greedy  # noqa: E402
+
+JOBS = os.path.join(HERE, "parallel_jobs.py")
+
+A = [256, 10, 20, 30, 40]                       # group 0: long decode
+B = [256] + [(7 * i) % 250 for i in range(60)]  # group 1: long prompt arriving mid-decode
+C = [256, 99, 98, 97, 96]                       # group 0: aborted mid-stream
+D = [256, 5, 6, 7, 8, 9, 10]                    # both groups wake up after an all-idle gap
+E = [256, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160]
+NEW = {"A": 40, "B": 6, "C": 30, "D": 5, "E": 5}
+ABORT_AT, WAKE_AT = 16, 90
+
+PLAN = {
+    0: ({0: [("A", A, NEW["A"])], 10: [("C", C, NEW["C"])], WAKE_AT: [("D", D, NEW["D"])]}, {ABORT_AT: ["C"]}),
+    1: ({8: [("B", B, NEW["B"])], WAKE_AT: [("E", E, NEW["E"])]}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def liveness_refs(tiny_deepseek_v3_dir):
+    prompts = {"A": A, "B": B, "C": C, "D": D, "E": E}
+    return {k: hf_greedy(tiny_deepseek_v3_dir, [p], min(NEW[k], 12))[0][0] for k, p in prompts.items()}
+
+
+@pytest.mark.parametrize("backend", ["allgather", "all_to_all"])
+def test_idle_rank_mixed_modes_abort_and_wake_up(engine_pool2, tiny_deepseek_v3_dir, liveness_refs, backend):
+    sizes = dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2, moe_a2a_backend=backend)
+    r0, r1 = engine_pool2.run(JOBS, "scenario_job", tiny_deepseek_v3_dir, sizes, PLAN, timeout=120)
+    # Correct tokens (checked against transformers for the first 12 of each).
+    for out, names in ((r0, "AD"), (r1, "BE")):
+        for n in names:
+            ids, finish = out["reqs"][n]
+            assert len(ids) == NEW[n] and finish["type"] == "length", (n, finish)
+            assert ids[:12] == liveness_refs[n][: len(ids[:12])], n
+    # The aborted request stopped early with an abort and what it produced is right.
+    ids, finish = r0["reqs"]["C"]
+    assert finish["type"] == "abort" and 0 < len(ids) < NEW["C"]
+    assert ids == liveness_refs["C"][: len(ids)]
+    # Rank 1 joined rank 0's forwards with IDLE batches before B arrived; the groups ran
+    # every forward together, and at some step one extended while the other decoded.
+    assert len(r0["modes"]) == len(r1["modes"])
+    assert r1["modes"][0] == "IDLE" and r0["modes"][0] == "EXTEND"
+    assert any(a == "DECODE" and b == "EXTEND" for a, b in zip(r0["modes"], r1["modes"]))
+    # Between A's end and the wake-up every rank was empty: steps without any forward.
+    assert r0["steps"] == r1["steps"] and r0["steps"] > WAKE_AT
+    assert len(r0["modes"]) < r0["steps"] - (WAKE_AT - NEW["A"] - 5)
+    # Everything finished: no KV held by running requests, on either rank.
+    assert r0["kv_used_end"] == 0 and r1["kv_used_end"] == 0
+
+
+def test_dp_attention_holds_dp_size_times_the_tokens_of_tp(engine_pool2, tiny_deepseek_v3_dir):
+    """Same KV memory per rank: TP mirrors the whole MLA latent on both ranks, DP attention
+    gives each rank its own requests, so the instance holds twice the tokens."""
+    import json
+
+    cfg = json.load(open(os.path.join(tiny_deepseek_v3_dir, "config.json")))
+    bytes_per_token = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # fp32
+    budget = 160 * bytes_per_token            # per rank
+    prompts = [[256] + [(13 * i + j) % 250 for j in range(59)] for i in range(4)]  # 4 x (60 + 4) tokens
+    results = {}
+    for name, sizes in (("tp2", dict(tp_size=2)), ("dp2_attn", dict(tp_size=2, dp_size=2, enable_dp_attention=True))):
+        per_rank = engine_pool2.run(JOBS, "capacity_job", tiny_deepseek_v3_dir, sizes, budget // bytes_per_token,
+                                    prompts, 4, timeout=120)
+        for r in per_rank:
+            assert r["kv_bytes_per_token"] == bytes_per_token       # the whole latent on every rank
+            assert r["kv_pool_size"] * r["kv_bytes_per_token"] == budget
+            assert len(r["finished"]) == (4 if name == "tp2" else 2)
+        groups = {r["attn_dp_rank"]: r for r in per_rank if r["attn_tp_rank"] == 0}
+        results[name] = (sum(g["kv_pool_size"] for g in groups.values()),
+                         sum(g["peak_used"] for g in groups.values()))
+    (cap_tp, peak_tp), (cap_dp, peak_dp) = results["tp2"], results["dp2_attn"]
+    assert cap_dp == 2 * cap_tp == 2 * 160
+    # Four 64-token requests: TP fits two at a time (<= 160), DP attention all four at once.
+    assert peak_tp <= cap_tp < peak_dp <= cap_dp
