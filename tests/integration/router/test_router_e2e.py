@@ -245,3 +245,15 @@ async def test_router_exits_when_a_worker_never_gets_healthy(procs):
                         "--host", "127.0.0.1", "--worker-urls", dead, "--worker-startup-timeout-secs", "1",
                         "--worker-startup-check-interval", "0.2"], capture_output=True, text=True, timeout=20)
     assert p.returncode == 1 and "not healthy" in p.stderr
+
+
+@pytest.mark.timeout(60)
+async def test_background_eviction_keeps_tree_within_budget(procs):
+    urls = [procs.worker(f"w{i}")[0] for i in range(2)]
+    router, _ = procs.router(urls, "--max-tree-size", "100", "--eviction-interval-secs", "0.2")
+    async with aiohttp.ClientSession() as s:
+        for i in range(6):
+            assert (await post(s, router + "/generate", {"text": f"prompt number {i} " + "y" * 40}))[0] == 200
+        assert await metric(s, router, "fleetserve_router_tree_size_chars") > 100
+        await asyncio.sleep(0.6)
+        assert await metric(s, router, "fleetserve_router_tree_size_chars") == 100

@@ -82,7 +82,7 @@ def check_same(tree: RadixTree, ref: NaiveTree) -> None:
         assert tree.tenant_size(tenant) == len(want)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(OP, max_size=40))
 def test_tree_matches_naive_reference(ops):
     tree, ref = RadixTree(), NaiveTree()
@@ -110,7 +110,7 @@ def test_tree_matches_naive_reference(ops):
         check_same(tree, ref)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(TEXT, TENANT), max_size=20), TEXT, TENANT)
 def test_prefix_match_tenant_is_per_tenant_longest_prefix(inserts, query, tenant):
     tree = RadixTree()

@@ -1,0 +1,98 @@
+"""The router's lean HTTP/1.1 server and upstream client, in-process over loopback sockets."""
+
+import asyncio
+
+import pytest
+
+from fleetserve.router.server import Response, Routes, start_server
+from fleetserve.router.upstream import UpstreamError, UpstreamPool, UpstreamTimeoutError
+
+
+async def echo(req):
+    return Response(200, b'{"path":"%s","n":%d}' % (req.path.encode(), len(req.body)))
+
+
+async def stream(req):
+    req.start_stream(200, "text/event-stream")
+    for i in range(3):
+        await req.write(b"data: %d\n\n" % i)
+    req.end_stream()
+
+
+async def slow(req):
+    await asyncio.sleep(5)
+    return Response(200, b"{}")
+
+
+async def serve(max_body=100):
+    routes = Routes()
+    routes.add("POST", "/echo", echo)
+    routes.add("POST", "/stream", stream)
+    routes.add("POST", "/slow", slow)
+    srv = await start_server(routes, "127.0.0.1", 0, max_body)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def exchange(port, raw: bytes, until: bytes = b"", n_responses: int = 1) -> bytes:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(raw)
+    data = b""
+    while data.count(b"HTTP/1.1 ") < n_responses or (until and until not in data):
+        chunk = await asyncio.wait_for(r.read(65536), 5)
+        if not chunk:
+            break
+        data += chunk
+    w.close()
+    return data
+
+
+@pytest.mark.timeout(20)
+async def test_pipelined_requests_answer_in_order_and_errors_are_json():
+    srv, port = await serve()
+    req = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+    two = await exchange(port, req + req.replace(b"abc", b"abcd").replace(b"3", b"4"), n_responses=2)
+    assert two.count(b"HTTP/1.1 200 OK") == 2
+    assert two.index(b'"n":3') < two.index(b'"n":4')
+    assert b"404 Not Found" in await exchange(port, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b"405 Method Not Allowed" in await exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+    bad = await exchange(port, b"NOT HTTP AT ALL\r\n\r\n")
+    assert bad.startswith(b"HTTP/1.1 400") and b'"code":400' in bad
+    srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_413_expect_continue_and_chunked_stream():
+    srv, port = await serve(max_body=100)
+    big = await exchange(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n" + b"x" * 500)
+    assert big.startswith(b"HTTP/1.1 413") and b"Connection: close" in big
+    cont = await exchange(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n"
+                                b"\r\nhi", n_responses=2)
+    assert cont.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK") and b'"n":2' in cont
+    s = await exchange(port, b"POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", until=b"0\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in s and b"9\r\ndata: 0\n\n\r\n" in s and s.endswith(b"0\r\n\r\n")
+    srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_upstream_pool_reuses_connections_streams_and_times_out():
+    srv, port = await serve(max_body=10_000)
+    pool = UpstreamPool(timeout_s=5)
+    base = f"http://127.0.0.1:{port}"
+    for n in (1, 2, 3):
+        resp = await pool.post(base, "/echo", b"x" * n)
+        assert resp.status == 200 and await resp.read() == b'{"path":"/echo","n":%d}' % n
+        resp.release()
+    assert len(pool._idle[base]) == 1  # one keep-alive connection served all three
+    resp = await pool.post(base, "/stream", b"")
+    chunks = []
+    while chunk := await resp.next_chunk():
+        chunks.append(chunk)
+    resp.release()
+    assert b"".join(chunks) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    with pytest.raises(UpstreamTimeoutError):
+        r = await pool.post(base, "/slow", b"", timeout_s=0.2)
+        await r.read()
+    with pytest.raises(UpstreamError):
+        await pool.post("http://127.0.0.1:9", "/echo", b"")  # nothing listens on the discard port
+    pool.close()
+    srv.close()
