@@ -119,15 +119,17 @@ async def test_figures_match_known_service(expose_worker):
 
     assert summary["completed"] == 12 and summary["failed"] == 0
     # TTFT: service time plus local overhead (a few ms)
-    assert TTFT <= summary["ttft_s"]["p50"] < TTFT + 0.06
-    assert TTFT <= summary["ttft_s"]["mean"] < TTFT + 0.06
-    assert GAP - 0.01 <= summary["itl_s"]["p50"] < GAP + 0.03
+    # (tolerances allow for a loaded 2-core CI machine; each is below the smallest wrong answer,
+    # e.g. TTFT measured to the second chunk would be >= TTFT + GAP)
+    assert TTFT <= summary["ttft_s"]["p50"] < TTFT + 0.07
+    assert TTFT <= summary["ttft_s"]["mean"] < TTFT + 0.07
+    assert GAP - 0.01 <= summary["itl_s"]["p50"] < GAP + 0.04
     assert all(len(r.itl) == CHUNKS - 1 for r in results)
     e2e = TTFT + (CHUNKS - 1) * GAP
-    assert e2e <= summary["e2e_latency_s"]["p50"] < e2e + 0.08
+    assert e2e <= summary["e2e_latency_s"]["p50"] < e2e + 0.12
     assert abs(summary["tpot_s"]["mean"] - GAP) < 0.02
     # 12 requests, 4 at a time, each ~0.52 s -> 3 waves
-    assert 3 * e2e <= duration < 3 * e2e + 0.4
+    assert 3 * e2e <= duration < 3 * e2e + 0.6
     assert summary["request_throughput"] == pytest.approx(12 / duration)
     assert summary["input_throughput"] == pytest.approx(12 * PROMPT / duration)
     assert summary["output_throughput"] == pytest.approx(12 * CHUNKS / duration)
