@@ -339,8 +339,11 @@ def create_app(
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> JSONResponse:
-        tm.flush_cache()
-        return JSONResponse({"success": True, "message": "radix cache flush requested"})
+        ok = await tm.flush_cache()
+        if not ok:
+            return JSONResponse({"success": False, "message": "not flushed: requests are running (or no answer)"},
+                                status_code=409)
+        return JSONResponse({"success": True, "message": "radix cache flushed"})
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> JSONResponse:

@@ -250,6 +250,8 @@ class TokenizerManager:
         self.latest_stats: dict[int, SchedulerStats] = {}
         self._stats_event = asyncio.Event()
         self._stats_seq = 0
+        self._flush_replies: list[bool] = []
+        self._flush_event = asyncio.Event()
         self._recv_task: asyncio.Task | None = None
         self._send_lock = asyncio.Lock()
         self.started = time.time()
@@ -287,6 +289,9 @@ class TokenizerManager:
                     s = self.streams.get(out.rid)
                     if s is not None:
                         s.queue.put_nowait(out)
+            elif type(msg).__name__ == "FlushCacheOut":  # scheduler_process.FlushCacheOut
+                self._flush_replies.append(bool(getattr(msg, "success", False)))
+                self._flush_event.set()
             elif isinstance(msg, SchedulerStats):
                 self.latest_stats[msg.dp_rank] = msg
                 self._stats_seq += 1
@@ -316,8 +321,24 @@ class TokenizerManager:
         self.send_abort(rid)
         return False
 
-    def flush_cache(self) -> None:
+    async def flush_cache(self, timeout: float = 5.0) -> bool:
+        """Ask every scheduler to empty its radix cache; True when all did.
+
+        A scheduler refuses (False) while it has queued or running requests.
+        """
+        self._flush_replies = []
         self._send(FlushCacheReq())
+        deadline = time.monotonic() + timeout
+        while len(self._flush_replies) < self.num_schedulers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._flush_event.clear()
+            try:
+                await asyncio.wait_for(self._flush_event.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return all(self._flush_replies)
 
     async def get_stats(self, timeout: float = 2.0) -> list[SchedulerStats]:
         """Ask every scheduler for fresh stats; return the newest per DP rank (may be stale on timeout)."""

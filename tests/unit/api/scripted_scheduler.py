@@ -14,6 +14,8 @@ import time
 
 import zmq
 
+from fleetserve.engine.scheduler_process import FlushCacheOut
+
 from fleetserve.engine.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -151,7 +153,10 @@ class ScriptedScheduler:
                 self.push.send(pickle.dumps(BatchTokenOut([self._out(st, [], True, {"type": "abort", "message": "aborted"})])))
         elif isinstance(msg, FlushCacheReq):
             self.flushes += 1
-            self.seen_prompts.clear()
+            ok = not self.running
+            if ok:
+                self.seen_prompts.clear()
+            self.push.send(pickle.dumps(FlushCacheOut(ok)))
         elif isinstance(msg, GetStatsReq):
             self.push.send(pickle.dumps(SchedulerStats(num_running_reqs=len(self.running), kv_pool_size=1000,
                                                        kv_used_tokens=sum(len(s["req"].input_ids) + s["n"]

@@ -264,7 +264,7 @@ def test_prompt_forms_batch(client):
 
 
 def test_cached_tokens_reported(client, http):
-    http.post("/flush_cache")
+    assert http.post("/flush_cache").json()["success"] is True
     long = "shared prefix " * 8
     client.completions.create(model=MODEL, prompt=long + "one", max_tokens=1)
     r = client.completions.create(model=MODEL, prompt=long + "two", max_tokens=1)
