@@ -210,6 +210,6 @@ class RankLauncher:
 
 
 def exit_instance(err: RankFailedError) -> None:
-    """Default ``on_failure`` for servers: log and end this process with status 1."""
-    logger.error("instance going down: %s", err)
+    """Default ``on_failure`` for servers: end this process with status 1 (the watchdog
+    has already logged which rank died and stopped the others)."""
     os._exit(1)

@@ -15,7 +15,8 @@ Inside one attention group (``attn_tp_size`` ranks, i.e. plain TP), only the
 group's first rank talks to the relay; it broadcasts what it received to the
 others over the group's gloo CPU group every loop iteration (at least every
 ``HEARTBEAT_S`` seconds while idle, so the broadcast never reaches the
-collective timeout), and only it sends outputs. All ranks of a group step in
+collective timeout), and only it sends generated tokens (every rank answers
+stats and flush requests, one answer per process as the HTTP side expects). All ranks of a group step in
 lockstep on identical inputs; they share one sampling seed so that sampled
 tokens agree.
 
@@ -42,6 +43,7 @@ def _loop_class():
     import torch.distributed as dist
     import zmq
 
+    from fleetserve.engine.io_struct import BatchTokenOut
     from fleetserve.engine.scheduler_process import IDLE_POLL_MS, SchedulerLoop
 
     class RankSchedulerLoop(SchedulerLoop):
@@ -67,7 +69,9 @@ def _loop_class():
             return box[0]
 
         def _send(self, obj: Any) -> None:
-            if self.leader:
+            # Every rank answers stats and flush requests (the HTTP side counts one answer
+            # per process); generated tokens come from the group's first rank only.
+            if self.leader or not isinstance(obj, BatchTokenOut):
                 super()._send(obj)
 
     return RankSchedulerLoop, zmq
@@ -111,9 +115,9 @@ def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoint
         recv = ctx.socket(zmq.PULL)
         send = ctx.socket(zmq.PUSH)
         send.setsockopt(zmq.LINGER, 0)
+        send.connect(outputs_endpoint)
         if leader:
             recv.connect(rank_endpoints[dp_rank])
-            send.connect(outputs_endpoint)
     except Exception as e:  # report why, then exit non-zero (the launcher stops the others)
         logger.exception("rank %d start-up failed", global_rank)
         ready_writer.send({"status": "error", "error": f"rank {global_rank}: {type(e).__name__}: {e}"})
@@ -124,7 +128,8 @@ def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoint
         "kv_bytes_per_token": int(getattr(runner, "kv_bytes_per_token", 0) or 0), "dp_rank": dp_rank,
         "tp_rank": tp_rank, "rank": global_rank,
     })
-    logger.info("rank %d ready: dp_rank %d, KV %d tokens x %d bytes per token on this rank", global_rank, dp_rank,
+    logger.info("rank %d (pid %d) ready: dp_rank %d, KV %d tokens x %d bytes per token on this rank", global_rank,
+                os.getpid(), dp_rank,
                 scheduler.pool_size, int(getattr(runner, "kv_bytes_per_token", 0) or 0))
     loop = loop_cls(scheduler, recv, send, dp_rank=dp_rank, always_step=hook is not None, pstate=ps, leader=leader)
     try:

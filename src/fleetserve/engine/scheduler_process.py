@@ -224,12 +224,16 @@ def launch_schedulers(args: ServerArgs, input_endpoint: str, output_endpoint: st
         ``(processes, ready_readers)``: one ``multiprocessing`` connection per
         process, each yielding the handshake dict described in the module docstring.
 
-    Raises:
-        NotImplementedError: for several ranks (``args.world_size > 1``); the
-            distributed launcher starts those.
+    For several ranks (``args.world_size > 1``) this is
+    :func:`fleetserve.distributed.rank_process.launch_rank_schedulers`: one
+    process per rank (every rank sends a handshake), of which the first rank of
+    each DP rank talks to the sockets through a DP relay thread in this process.
     """
-    if args.world_size > 1:
-        raise NotImplementedError("multi-rank instances are started by fleetserve.distributed")
+    if args.world_size > 1:  # one process per rank, a DP relay and a watchdog (issue 5)
+        from fleetserve.distributed.rank_process import launch_rank_schedulers
+
+        instance = launch_rank_schedulers(args, input_endpoint, output_endpoint)
+        return instance.procs, instance.readers
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_scheduler_process, args=(args, input_endpoint, output_endpoint, writer),
