@@ -317,6 +317,7 @@ def main() -> None:
         q.add_argument("--no-doc", action="store_true")
     a = p.parse_args()
     a.argv = sys.argv[2:]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop workers, router
     (sim_part if a.part == "sim" else engine_part)(a)
 
 

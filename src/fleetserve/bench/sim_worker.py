@@ -309,7 +309,7 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
         eng = SimEngine(model, name=f"{args.host}:{port}")
         eng.start()
         worker = SimWorker(eng, tok, args.model_name, args.stream_interval, url)
-        runner = web.AppRunner(worker.app, access_log=None)
+        runner = web.AppRunner(worker.app, access_log=None, shutdown_timeout=2.0)
         await runner.setup()
         await web.TCPSite(runner, args.host, port, backlog=4096).start()
         runners.append(runner)
