@@ -77,8 +77,27 @@ def _loop_class():
     return RankSchedulerLoop, zmq
 
 
+def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
+    """End this rank when the process that launched the instance is gone (a rank is a
+    child of the fork server, so it would otherwise outlive a killed server)."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:  # pragma: no cover - a reused pid of another user
+                os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoints: list[str],
-             outputs_endpoint: str, ready_writer: Any) -> None:
+             outputs_endpoint: str, ready_writer: Any, parent_pid: int | None = None) -> None:
     """Process entry point of one rank (see module docstring)."""
     from fleetserve.distributed.dp_attention import dp_schedule_rule
     from fleetserve.distributed.init import ParallelConfig, init_distributed
@@ -88,6 +107,8 @@ def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoint
     logging.basicConfig(level=str(args.log_level).upper(),
                         format=f"%(asctime)s %(levelname)s rank[{global_rank}] %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     try:
         import torch
 
@@ -205,7 +226,8 @@ def launch_rank_schedulers(args: Any, input_endpoint: str, output_endpoint: str,
     ctx = mp.get_context("forkserver")
     pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
     launcher = RankLauncher(run_rank, range(args.world_size),
-                            args_for_rank=lambda r: (args, init_methods, rank_eps, out_ep, pipes[r][1]),
+                            args_for_rank=lambda r: (args, init_methods, rank_eps, out_ep, pipes[r][1],
+                                                     os.getpid()),
                             preload=("torch",), name="fleetserve-rank")
     launcher.start()
     for _, w in pipes:
