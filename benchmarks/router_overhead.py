@@ -64,6 +64,14 @@ def _med(rows, key):
     return statistics.median(vals) if vals else None
 
 
+def _spread(rows) -> float:
+    """Largest max/min ratio of req/s between repeats of one (target, policy, concurrency)."""
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        groups.setdefault((r["target"], r["policy"], r["concurrency"]), []).append(r["rps"])
+    return max((max(v) / max(min(v), 1e-9) for v in groups.values() if len(v) > 1), default=1.0)
+
+
 def overhead_table(results: dict) -> str:
     groups: dict[tuple, list] = {}
     for r in results["rows"]:
@@ -147,11 +155,13 @@ def main(argv=None) -> int:
             f"router). Bodies: POST {meta['args']['endpoint']}, 200 bodies of 1-2 KB in 10 prefix groups. "
             f"Versions: {json.dumps(meta.get('versions', {}))}.")
         body.append("")
+        spread = _spread(results["rows"])
         body.append(
             f"Noise: this 2-core machine was shared with other engineers' builds and tests while it ran "
-            f"(1-minute load average {load_before[0]:.1f} before, {load_after[0]:.1f} after). req/s is what the router gets of a contended core and moves by tens of percent "
-            f"between repeats; router CPU µs/req (CPU time of the router's processes / requests) is the steadier "
-            f"figure for comparing routers.")
+            f"(1-minute load average {load_before[0]:.1f} before, {load_after[0]:.1f} after). req/s is what each "
+            f"target got of a contended core: the same target's req/s varied by up to {spread:.1f}x between "
+            f"repeats of this run. Router CPU µs/req (CPU time of the router's processes / requests) is the "
+            f"steadier figure for comparing routers; the median over repeats is the best single value.")
     d = time_decision()
     body.append("")
     body.append(f"One cache_aware routing decision (match + insert, 4096-char prompt whose first half is shared with "

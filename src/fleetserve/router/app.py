@@ -59,7 +59,7 @@ class _Retry:
 
 
 class Router:
-    """Router state (workers, policy, HTTP client) and the aiohttp handlers."""
+    """Router state (workers, policy, upstream clients) and the request handlers."""
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg

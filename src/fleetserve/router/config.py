@@ -71,6 +71,10 @@ class RouterConfig:
             raise ValueError("--max-tree-size must be >= 0 and --max-payload-size > 0")
         if not 0.0 <= self.retry_jitter_factor <= 1.0:
             raise ValueError("--retry-jitter-factor must be in [0, 1]")
+        for url in self.worker_urls:
+            u = url.strip()
+            if "://" in u and not u.startswith("http://"):
+                raise ValueError(f"worker URL {url!r}: only plain http:// workers are supported")
         if self.retry_max_retries < 1:
             raise ValueError("--retry-max-retries must be >= 1 (it counts attempts)")
 

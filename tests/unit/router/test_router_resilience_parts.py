@@ -77,3 +77,5 @@ def test_cli_flags_follow_sglang_router():
     assert (d.eviction_interval_secs, d.max_tree_size, d.policy, d.max_attempts) == (60, 2**26, "cache_aware", 5)
     with pytest.raises(SystemExit):
         parse_args(["--cache-threshold", "1.5"])
+    with pytest.raises(SystemExit):
+        parse_args(["--worker-urls", "https://a:1"])
