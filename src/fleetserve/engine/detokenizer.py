@@ -158,11 +158,16 @@ class StreamStep:
 class TextStream:
     """Per-request text state: detokenizer followed by stop-string hold-back.
 
-    Tokens are processed one by one, so the result does not depend on how the
-    scheduler grouped them into messages.
+    With stop strings (or ``per_token=True``, needed for per-token text offsets)
+    tokens are processed one by one, so where a stop string cuts the output does
+    not depend on how the scheduler grouped tokens into messages. Without them a
+    whole message is detokenized at once, which gives the same text (the
+    detokenizer's output does not depend on chunking) for fewer decode calls.
     """
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str] | None = None, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Any, stops: Sequence[str] | None = None, skip_special_tokens: bool = True,
+                 per_token: bool = True):
+        self.per_token = per_token or bool(stops)
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = StopStringChecker(stops)
         self.text = ""  # emitted text
@@ -177,6 +182,12 @@ class TextStream:
         return self.stop.matched is not None
 
     def add(self, token_ids: Sequence[int]) -> StreamStep:
+        if not self.per_token:
+            offsets = [self._decoded_len] * len(token_ids)
+            delta = self.detok.add(token_ids)
+            self._decoded_len += len(delta)
+            self.text += delta
+            return StreamStep(delta, len(token_ids), False, offsets)
         out: list[str] = []
         offsets: list[int] = []
         consumed = 0

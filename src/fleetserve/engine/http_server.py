@@ -226,7 +226,17 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         tm.start()  # the receive loop runs on uvicorn's event loop
+        watchdog = asyncio.get_running_loop().create_task(watch_schedulers()) if is_alive is not None else None
         yield
+        if watchdog is not None:
+            watchdog.cancel()
+
+    async def watch_schedulers() -> None:
+        """If a scheduler process dies, end the requests waiting on it instead of hanging."""
+        while True:
+            await asyncio.sleep(1.0)
+            if not is_alive():
+                tm.fail_all("the scheduler process exited")
 
     app = FastAPI(title="fleetserve engine", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     info = tm.info
@@ -372,6 +382,8 @@ def create_app(
             raise APIError("'suffix' is not supported by this server", 400, "suffix", "unsupported_parameter")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("'best_of' is not supported (only best_of == n)", 400, "best_of", "unsupported_parameter")
+        if req.logit_bias:
+            raise APIError("'logit_bias' is not supported by this server", 400, "logit_bias", "unsupported_parameter")
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError("logprobs must be in [0, 20]", 400, "logprobs")
         prompts = completion_prompts(req.prompt)
@@ -514,6 +526,8 @@ def create_app(
         check_model(req.model)
         if not req.messages:
             raise APIError("messages must not be empty", 400, "messages")
+        if req.logit_bias:
+            raise APIError("'logit_bias' is not supported by this server", 400, "logit_bias", "unsupported_parameter")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError("top_logprobs must be in [0, 20]", 400, "top_logprobs")
         if req.top_logprobs and not req.logprobs:

@@ -122,7 +122,8 @@ class GenerationStream:
         self.rid = req.rid
         self.index = index
         self.queue: asyncio.Queue[ReqOutput] = asyncio.Queue()
-        self.text = TextStream(manager.tokenizer, req.sampling.stop, req.sampling.skip_special_tokens)
+        self.text = TextStream(manager.tokenizer, req.sampling.stop, req.sampling.skip_special_tokens,
+                               per_token=bool(req.sampling.stop) or req.return_logprob)
         self.finished = False
         self.created = time.perf_counter()
         self.last_time: float | None = None
@@ -242,9 +243,11 @@ class TokenizerManager:
         self.ctx = zmq.asyncio.Context()
         self.send_sock = self.ctx.socket(zmq.PUSH)
         self.send_sock.setsockopt(zmq.LINGER, 0)
+        self.send_sock.setsockopt(zmq.SNDHWM, 0)  # no cap: a burst of requests must queue, not fail
         (self.send_sock.bind if bind else self.send_sock.connect)(send_endpoint)
         self.recv_sock = self.ctx.socket(zmq.PULL)
         self.recv_sock.setsockopt(zmq.LINGER, 0)
+        self.recv_sock.setsockopt(zmq.RCVHWM, 0)
         (self.recv_sock.bind if bind else self.recv_sock.connect)(recv_endpoint)
         self.streams: dict[str, GenerationStream] = {}
         self.latest_stats: dict[int, SchedulerStats] = {}
@@ -311,6 +314,12 @@ class TokenizerManager:
 
     def forget(self, rid: str) -> None:
         self.streams.pop(rid, None)
+
+    def fail_all(self, message: str) -> None:
+        """End every running request with an abort (the scheduler process died)."""
+        for rid, s in list(self.streams.items()):
+            s.queue.put_nowait(ReqOutput(rid, [], True, {"type": "abort", "message": message},
+                                         len(s.req.input_ids), s.completion_tokens, 0))
 
     def abort_request(self, rid: str) -> bool:
         """Abort by request id (``/abort_request``); True when it was running here."""

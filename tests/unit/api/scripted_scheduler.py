@@ -135,7 +135,7 @@ class ScriptedScheduler:
             if outs:
                 self.push.send(pickle.dumps(BatchTokenOut(outs)))
                 if self.delay:
-                    time.sleep(self.delay)
+                    self._stop.wait(self.delay)
 
     def _handle(self, msg):
         if isinstance(msg, TokenizedGenerateReq):

@@ -163,3 +163,13 @@ def test_text_stream_streamed_equals_one_shot(ids, cuts, stops):
         assert full == TOK.decode(ids)
     else:
         assert one.matched not in full
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=token_ids, cuts=st.lists(st.integers(0, 60), max_size=10))
+def test_text_stream_whole_messages_equal_per_token(ids, cuts):
+    """Without stop strings a message is detokenized at once: same text as token by token."""
+    a, b = TextStream(TOK, per_token=True), TextStream(TOK, per_token=False)
+    ta = "".join(a.add(c).text for c in chunked(ids, cuts)) + a.finish()
+    tb = "".join(b.add(c).text for c in chunked(ids, cuts)) + b.finish()
+    assert ta == tb == TOK.decode(ids)

@@ -39,7 +39,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, delay: float):
+    def __init__(self, delay: float, is_alive=None):
+        self.is_alive = is_alive
         self.dir = tempfile.mkdtemp(prefix="fs-api-")
         self.in_ep = f"ipc://{self.dir}/in"
         self.out_ep = f"ipc://{self.dir}/out"
@@ -56,7 +57,7 @@ class Server:
                          eos_token_ids=[256])
         self.tm = TokenizerManager(ByteTokenizer(), info, self.in_ep, self.out_ep)
         app = create_app(self.tm, server_args={"model_path": "/models/toy", "api_key": API_KEY}, api_key=API_KEY,
-                         max_request_bytes=MAX_BODY)
+                         max_request_bytes=MAX_BODY, is_alive=self.is_alive)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         task = asyncio.create_task(self.server.serve())
         while not self.server.started:
@@ -135,6 +136,7 @@ BAD = [
      400, "sampling_params.temp"),
     ("generate max_new_tokens beyond", "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 500}},
      400, "sampling_params.max_new_tokens"),
+    ("logit_bias unsupported", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("abort without rid", "/abort_request", {}, 400, "rid"),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]
@@ -316,3 +318,24 @@ def test_disconnect_aborts_within_a_second(srv, http):
         assert not srv.tm.streams
     finally:
         srv.sched.delay = 0.01
+
+
+def test_dead_scheduler_ends_requests_instead_of_hanging():
+    alive = [True]
+    s = Server(delay=0.01, is_alive=lambda: alive[0])
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key=API_KEY, timeout=20, max_retries=0)
+        s.sched.delay = 5.0  # the "scheduler" stalls after its first step ...
+        stream = c.completions.create(model=MODEL, prompt="x", max_tokens=30, stream=True)
+        first = next(iter(stream))
+        assert first.choices[0].text == "H"
+        alive[0] = False  # ... and its process is reported dead
+        t0 = time.monotonic()
+        rest = list(stream)
+        assert time.monotonic() - t0 < 4.0
+        assert rest[-1].choices[0].finish_reason == "abort"
+        r = httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    finally:
+        s.sched.delay = 0.0
+        s.close()
