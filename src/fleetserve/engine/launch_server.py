@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs.from_cli_args(ns)
     except ValueError as e:
-        print(f"fleetserve serve: {e}")
+        print(f"fleetserve serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model_path is None:
@@ -190,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
         loop.run_until_complete(serve())
         return 0
-    except RuntimeError as e:
-        logger.error("%s", e)
+    except (RuntimeError, ValueError, NotImplementedError, FileNotFoundError) as e:
+        logger.error("%s: %s", type(e).__name__, e)
         return 1
     finally:
         _stop(procs)
