@@ -74,6 +74,10 @@ class Router:
         self._rr_info = 0
 
     # ------------------------------------------------------------ lifecycle
+    def inflight(self) -> int:
+        """Requests in flight to registered workers."""
+        return sum(w.load for w in self.registry.workers)
+
     def new_worker(self, url: str) -> Worker:
         c = self.cfg
         breaker = CircuitBreaker(c.cb_failure_threshold, c.cb_success_threshold, c.cb_timeout_duration_secs,

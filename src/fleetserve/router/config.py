@@ -36,6 +36,7 @@ class RouterConfig:
     cache_miss_fallback: str = "least_loaded"
     max_payload_size: int = 512 * 1024 * 1024  # bytes
     request_timeout_secs: float = 1800.0
+    shutdown_grace_period_secs: float = 180.0
     worker_startup_timeout_secs: float = 1800.0
     worker_startup_check_interval: float = 1.0
     health_check_interval_secs: float = 60.0
@@ -117,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-payload-size", type=int, default=d.max_payload_size, help="largest request body, bytes")
     g.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_secs,
                    help="upper bound on one upstream request")
+    g.add_argument("--shutdown-grace-period-secs", type=float, default=d.shutdown_grace_period_secs,
+                   help="on SIGTERM/SIGINT, stop accepting and wait this long for requests in flight")
     g = p.add_argument_group("health checks")
     g.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_secs)
     g.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs)

@@ -1,5 +1,8 @@
 """``fleetserve router``: parse flags, wait for the workers, serve until SIGINT/SIGTERM.
 
+On SIGINT/SIGTERM it stops accepting connections and waits up to
+``--shutdown-grace-period-secs`` for the requests in flight to finish.
+
 Exit codes: 0 after a clean stop, 1 if a ``--worker-urls`` worker never became
 healthy within ``--worker-startup-timeout-secs``, 2 on bad flags (argparse).
 """
@@ -45,6 +48,11 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         if ready is not None:
             ready.set()
         await stop.wait()
+        for srv in servers:
+            srv.close()  # stop accepting; open connections keep their requests in flight
+        deadline = loop.time() + cfg.shutdown_grace_period_secs
+        while router.inflight() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         return 0
     finally:
         for srv in servers:

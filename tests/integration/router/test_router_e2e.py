@@ -257,3 +257,19 @@ async def test_background_eviction_keeps_tree_within_budget(procs):
         assert await metric(s, router, "fleetserve_router_tree_size_chars") > 100
         await asyncio.sleep(0.6)
         assert await metric(s, router, "fleetserve_router_tree_size_chars") == 100
+
+
+@pytest.mark.timeout(60)
+async def test_sigterm_lets_streams_in_flight_finish(procs):
+    import signal
+
+    u0, _ = procs.worker("w0")
+    router, rp = procs.router([u0], "--shutdown-grace-period-secs", "10")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router + "/generate", json={"text": "t", "stream": True, "fake_chunks": 6,
+                                                      "fake_chunk_delay": 0.2}, timeout=T) as r:
+            first = await r.content.readline()
+            rp.send_signal(signal.SIGTERM)
+            rest = await r.read()
+        assert first.startswith(b"data:") and rest.count(b"data:") == 6 and rest.endswith(b"data: [DONE]\n\n")
+    assert await asyncio.to_thread(rp.wait, 10) == 0
