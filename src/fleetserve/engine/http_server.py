@@ -203,6 +203,35 @@ def sglang_finish_reason(out: TokenOutput) -> dict[str, Any] | None:
     return {"type": "stop", "matched": out.matched_stop}
 
 
+class APIKeyMiddleware:
+    """Pure ASGI middleware: 401 unless ``Authorization: Bearer <api_key>`` (``OPEN_PATHS`` exempt).
+
+    Written as plain ASGI (not ``BaseHTTPMiddleware``) so that request bodies and
+    client disconnects reach the routes untouched.
+    """
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = ""
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                header = v.decode("latin-1")
+                break
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and token.strip() == self.api_key:
+            await self.app(scope, receive, send)
+            return
+        what = "missing" if not header else "wrong"
+        resp = APIError(f"{what} API key: send 'Authorization: Bearer <key>'", 401, None, "invalid_api_key").response()
+        await resp(scope, receive, send)
+
+
 # ------------------------------------------------------------------------- the app
 
 
@@ -264,15 +293,8 @@ def create_app(
         logger.exception("unhandled error")
         return APIError(f"internal error: {type(exc).__name__}: {exc}", 500).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path not in OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or token.strip() != api_key:
-                what = "missing" if not header else "wrong"
-                return APIError(f"{what} API key: send 'Authorization: Bearer <key>'", 401, None, "invalid_api_key").response()
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in (model_name, info.model_path):

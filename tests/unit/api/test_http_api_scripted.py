@@ -339,3 +339,20 @@ def test_dead_scheduler_ends_requests_instead_of_hanging():
     finally:
         s.sched.delay = 0.0
         s.close()
+
+
+def test_non_streaming_disconnect_aborts(srv):
+    """A non-streaming client that gives up (read timeout) also aborts its request."""
+    srv.sched.delay = 0.2
+    try:
+        n_before = len(srv.sched.aborted)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"http://127.0.0.1:{srv.port}/v1/completions", json={"prompt": "x", "max_tokens": 30},
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.5)
+        t0 = time.monotonic()
+        while len(srv.sched.aborted) == n_before and time.monotonic() - t0 < 1.0:
+            time.sleep(0.02)
+        assert len(srv.sched.aborted) == n_before + 1
+        assert not srv.tm.streams
+    finally:
+        srv.sched.delay = 0.01
