@@ -181,9 +181,12 @@ def dp_schedule_rule(schedule_conservativeness: float, chunked_prefill_size: int
 
     Returns:
         ``(conservativeness, chunk_size)``: conservativeness x 1.5, and the prefill chunk
-        divided by the number of attention groups (at least 1; ``None`` stays ``None``).
+        divided by the number of attention groups (at least 1; ``None`` or ``-1``, i.e.
+        no chunking, stay as they are).
     """
     if attn_dp_size <= 1:
         return schedule_conservativeness, chunked_prefill_size
-    chunk = None if chunked_prefill_size is None else max(1, chunked_prefill_size // attn_dp_size)
+    chunk = chunked_prefill_size
+    if chunk is not None and chunk > 0:  # None / -1: chunking off, and stays off
+        chunk = max(1, chunk // attn_dp_size)
     return schedule_conservativeness * DP_ATTENTION_CONSERVATIVENESS, chunk

@@ -102,3 +102,4 @@ def test_schedule_rule_is_more_conservative_under_dp_attention():
     cons, chunk = dp_schedule_rule(1.0, 8192, 4)
     assert cons == 1.5 and chunk == 2048
     assert dp_schedule_rule(2.0, None, 2) == (3.0, None)
+    assert dp_schedule_rule(1.0, -1, 2) == (1.5, -1)   # chunking off stays off
