@@ -1,0 +1,236 @@
+"""Engine throughput and TTFT on SmolLM2 versus transformers' batched ``generate``.
+
+One run measures, on the same prompts and the same number of threads:
+
+* fleetserve (the in-process scheduler, continuous batching, radix cache) at
+  concurrency 1, 8 and 32: a closed loop keeps ``c`` requests in flight;
+  output tokens/s over the whole run and mean TTFT (request added -> first
+  token out);
+* transformers: ``model.generate`` on batches of ``c`` prompts (left padded,
+  exactly ``max_new_tokens`` tokens each, greedy): output tokens/s, and TTFT as
+  the time of the same batch's ``generate(max_new_tokens=1)`` (its prefill);
+* a repeated 1,000-token prefix: TTFT of a prompt made of a fixed 1,000-token
+  document plus a short question, cold (first time) versus warm (the document
+  is in the radix cache; mean of several distinct questions), with
+  transformers' TTFT on the same prompt for reference.
+
+Usage::
+
+    python benchmarks/engine_throughput.py            # writes docs/benchmarks.md
+    python benchmarks/engine_throughput.py --quick    # small run, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TOPICS = [
+    "a lighthouse keeper", "a lost umbrella", "the first snow of winter", "a robot learning to paint",
+    "a market in Marrakesh", "an old violin", "a night train to Vienna", "a garden on a rooftop",
+    "a cat who hates mornings", "the last bookshop in town", "a storm at sea", "a clockmaker's apprentice",
+    "a bicycle race in the Alps", "a forgotten letter", "a bakery at dawn", "a chess match in the park",
+    "a beekeeper and her hives", "a city without cars", "a bridge built in a day", "a comet seen from a farm",
+    "a museum after closing time", "a river that changed course", "a tailor's busiest week", "a map with no names",
+    "a kite festival", "a library on wheels", "an astronaut's first meal home", "a village choir",
+    "a broken elevator", "the oldest tree in the forest", "a fisherman's lucky day", "a desert observatory",
+]
+
+
+def prompts_for(n: int) -> list[str]:
+    return [f"Write a short story about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
+
+
+# --------------------------------------------------------------------------- fleetserve
+def run_fleetserve(sched, prompt_ids: list[list[int]], conc: int, max_new: int) -> tuple[float, float]:
+    """Closed loop with ``conc`` requests in flight. Returns (output tokens/s, mean TTFT s)."""
+    from fleetserve.engine.io_struct import TokenizedGenerateReq
+    from fleetserve.engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    pending = list(enumerate(prompt_ids))
+    t_add: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    inflight: set[str] = set()
+    tokens = 0
+    t0 = time.perf_counter()
+    while pending or inflight:
+        while pending and len(inflight) < conc:
+            i, ids = pending.pop(0)
+            rid = f"b{conc}-{i}"
+            sched.add_request(TokenizedGenerateReq(rid, ids, sp, stream=True))
+            t_add[rid] = time.perf_counter()
+            inflight.add(rid)
+        for o in sched.step():
+            now = time.perf_counter()
+            if o.new_token_ids and o.rid not in ttft:
+                ttft[o.rid] = now - t_add[o.rid]
+            tokens += len(o.new_token_ids)
+            if o.finished:
+                inflight.discard(o.rid)
+    dt = time.perf_counter() - t0
+    return tokens / dt, statistics.mean(ttft.values())
+
+
+def ttft_fleetserve(sched, ids: list[int]) -> tuple[float, int]:
+    """TTFT of one request alone; returns (seconds, cached prompt tokens)."""
+    from fleetserve.engine.io_struct import TokenizedGenerateReq
+    from fleetserve.engine.sampling_params import SamplingParams
+
+    rid = f"t{time.perf_counter_ns()}"
+    t0 = time.perf_counter()
+    sched.add_request(TokenizedGenerateReq(rid, ids, SamplingParams(max_new_tokens=1, temperature=0.0,
+                                                                     ignore_eos=True)))
+    while sched.has_work():
+        for o in sched.step():
+            if o.rid == rid and o.finished:
+                return time.perf_counter() - t0, o.cached_tokens
+    raise RuntimeError("request did not finish")
+
+
+# ------------------------------------------------------------------------- transformers
+def run_hf(model, tok, texts: list[str], conc: int, max_new: int) -> tuple[float, float]:
+    """Batches of ``conc`` prompts. Returns (output tokens/s, mean batch prefill time s)."""
+    tokens = 0
+    gen_time = 0.0
+    prefill = []
+    for start in range(0, len(texts), conc):
+        batch = tok(texts[start: start + conc], return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model.generate(**batch, max_new_tokens=1, min_new_tokens=1, do_sample=False,
+                           pad_token_id=tok.pad_token_id)
+            prefill.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            out = model.generate(**batch, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+            gen_time += time.perf_counter() - t0
+        tokens += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    return tokens / gen_time, statistics.mean(prefill)
+
+
+def hf_ttft(model, ids: list[int]) -> float:
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=1, do_sample=False)
+        return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="fleetserve's dtype (transformers runs float32)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--requests-per-level", type=int, default=0,
+                    help="requests per concurrency level (default: max(4, min(2 x concurrency, 32)))")
+    ap.add_argument("--prefix-tokens", type=int, default=1000)
+    ap.add_argument("--quick", action="store_true", help="tiny run, print only")
+    ap.add_argument("--no-write", action="store_true", help="print the table, leave docs/benchmarks.md alone")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens, args.concurrency, args.prefix_tokens, args.no_write = 8, "1,4", 200, True
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    from fleetserve.engine.args import ServerArgs
+    from fleetserve.engine.model_runner import ModelRunner
+    from fleetserve.engine.scheduler import Scheduler
+    from fleetserve.engine.scheduler_process import load_tokenizer_for
+    from fleetserve.models.registry import default_model_path
+
+    path = default_model_path()
+    print(f"loading {path}", flush=True)
+    runner = ModelRunner(path, dtype=args.dtype, max_total_tokens=32768, show_progress=False)
+    tok = load_tokenizer_for(ServerArgs(model_path=path))
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    sched = Scheduler(ServerArgs(model_path=path, random_seed=0), runner, tokenizer=tok)
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    # warm-up both (first calls allocate and pick kernels)
+    run_fleetserve(sched, [tok.encode(p) for p in prompts_for(2)], 2, 4)
+    run_hf(hf, tok, prompts_for(2), 2, 4)
+    sched.flush_cache()
+
+    rows = []
+    for c in levels:
+        n = args.requests_per_level or max(4, min(2 * c, 32))
+        texts = prompts_for(n)
+        ids = [tok.encode(t) for t in texts]
+        sched.flush_cache()
+        fs_tps, fs_ttft = run_fleetserve(sched, ids, c, args.max_new_tokens)
+        hf_tps, hf_pre = run_hf(hf, tok, texts, c, args.max_new_tokens)
+        rows.append((c, n, fs_tps, hf_tps, fs_ttft, hf_pre))
+        print(f"c={c:>3} n={n:>3}: fleetserve {fs_tps:7.1f} tok/s TTFT {fs_ttft*1000:7.0f} ms | "
+              f"transformers {hf_tps:7.1f} tok/s batch prefill {hf_pre*1000:7.0f} ms", flush=True)
+
+    # repeated long prefix
+    sched.flush_cache()
+    doc_ids: list[int] = []
+    i = 0
+    while len(doc_ids) < args.prefix_tokens:
+        doc_ids += tok.encode(f" Chapter {i}. The story of {TOPICS[i % len(TOPICS)]} continues with more detail.")
+        i += 1
+    doc_ids = doc_ids[: args.prefix_tokens]
+    qs = [tok.encode(f" Question {k}: summarise part {k}.") for k in range(4)]
+    cold, cached0 = ttft_fleetserve(sched, doc_ids + qs[0])
+    warm = [ttft_fleetserve(sched, doc_ids + q) for q in qs[1:]]
+    warm_t = statistics.mean(t for t, _ in warm)
+    warm_cached = min(c for _, c in warm)
+    hf_long = statistics.mean(hf_ttft(hf, doc_ids + q) for q in qs[:2])
+    print(f"{args.prefix_tokens}-token prefix: cold TTFT {cold*1000:.0f} ms (cached {cached0}), warm "
+          f"{warm_t*1000:.0f} ms (cached {warm_cached}), transformers {hf_long*1000:.0f} ms; "
+          f"cut {cold/warm_t:.1f}x", flush=True)
+
+    body = [
+        f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized), fleetserve dtype {runner.dtype}, transformers float32, "
+        f"{args.threads} torch threads, greedy, {args.max_new_tokens} output tokens per request "
+        f"(EOS ignored). fleetserve: in-process scheduler, closed loop with *c* requests in flight, TTFT = "
+        f"request added -> first token. transformers: `generate` on batches of *c* left-padded prompts; its "
+        f"TTFT column is the batch's prefill time (`generate(max_new_tokens=1)`).",
+        "",
+        "| concurrency | requests | fleetserve tok/s | transformers tok/s | speed-up | fleetserve TTFT ms "
+        "| transformers prefill ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c, n, fs_tps, hf_tps, fs_ttft, hf_pre in rows:
+        body.append(f"| {c} | {n} | {fs_tps:.1f} | {hf_tps:.1f} | {fs_tps / hf_tps:.2f}x | {fs_ttft*1000:.0f} "
+                    f"| {hf_pre*1000:.0f} |")
+    body += [
+        "",
+        f"Repeated {args.prefix_tokens}-token prefix (a fixed document + a short question, one request at a time):",
+        "",
+        "| | TTFT ms | prompt tokens from radix cache |",
+        "|---|---:|---:|",
+        f"| fleetserve, cold (first time) | {cold*1000:.0f} | {cached0} |",
+        f"| fleetserve, warm (mean of {len(warm)} new questions) | {warm_t*1000:.0f} | {warm_cached} |",
+        f"| transformers (no prefix cache) | {hf_long*1000:.0f} | 0 |",
+        "",
+        f"TTFT cut by the radix cache: **{cold/warm_t:.1f}x**.",
+    ]
+    text = "\n".join(body)
+    print(text)
+    if not args.no_write:
+        from doc_section import write_section
+
+        cmd = "python benchmarks/engine_throughput.py" + (f" --threads {args.threads}" if args.threads != 2 else "")
+        write_section("engine_throughput", "Engine throughput and TTFT (SmolLM2, CPU)", cmd, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
