@@ -328,8 +328,7 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
     try:
         await stop.wait()
     finally:
-        for r in runners:
-            await r.cleanup()
+        await asyncio.gather(*(r.cleanup() for r in runners))
         for e in engines:
             await e.stop()
 
