@@ -47,6 +47,14 @@ log = logging.getLogger("fleetserve.router")
 INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _JSON = "application/json"
+# response headers not passed back to the client: hop-by-hop ones, and the ones the server writes itself
+_NOT_FORWARDED = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-type",
+                            "proxy-connection", "te", "trailer", "upgrade"})
+
+
+def _forwarded_headers(headers: dict[str, str]) -> list[tuple[str, str]]:
+    """The worker's response headers to pass to the client (e.g. a worker id header), as pairs."""
+    return [(k, v) for k, v in headers.items() if k not in _NOT_FORWARDED]
 
 
 class _Retry:
@@ -230,11 +238,13 @@ class Router:
                 if status >= 500:
                     data = await resp.read()
                     self._fail(worker)
-                    return _Retry(Response(status, data, resp.headers.get("content-type", _JSON)))
+                    return _Retry(Response(status, data, resp.headers.get("content-type", _JSON),
+                                           _forwarded_headers(resp.headers)))
                 if not stream or resp.content_type != "text/event-stream":
                     data = await resp.read()
                     worker.breaker.record_success()
-                    return Response(status, data, resp.headers.get("content-type", _JSON))
+                    return Response(status, data, resp.headers.get("content-type", _JSON),
+                                    _forwarded_headers(resp.headers))
             except UpstreamError as e:
                 self._fail(worker)
                 return _Retry(json_error(502, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
@@ -250,8 +260,10 @@ class Router:
     async def _stream(self, request: Request, worker: Worker, resp: UpstreamResponse) -> None:
         """Pass a streamed answer through chunk by chunk, as each arrives."""
         try:
-            request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"),
-                                 [("Cache-Control", "no-cache")])
+            extra = _forwarded_headers(resp.headers)
+            if "cache-control" not in resp.headers:
+                extra.append(("Cache-Control", "no-cache"))
+            request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"), extra)
             try:
                 while True:
                     chunk = await resp.next_chunk()

@@ -29,7 +29,7 @@ def build(name: str, unhealthy_file: str | None) -> web.Application:
             return web.json_response({"error": {"message": f"fake {status}", "code": status}, "worker": name},
                                      status=status)
         if body.get("stream") is True:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Fake-Worker": name})
             await resp.prepare(request)
             for i in range(int(body.get("fake_chunks", 3))):
                 await resp.write(f"data: {json.dumps({'worker': name, 'i': i})}\n\n".encode())
@@ -37,7 +37,8 @@ def build(name: str, unhealthy_file: str | None) -> web.Application:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
-        return web.json_response({"worker": name, "text": "ok", "echo_len": len(await request.read())})
+        return web.json_response({"worker": name, "text": "ok", "echo_len": len(await request.read())},
+                                 headers={"X-Fake-Worker": name})
 
     async def health(request: web.Request) -> web.Response:
         stats["health"] += 1

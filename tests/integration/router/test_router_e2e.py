@@ -189,6 +189,9 @@ async def test_errors_health_and_info_endpoints(procs, tmp_path):
         assert (await post(s, router + "/v1/completions", {"prompt": "q", "fake_status": 503}))[0] == 503
         assert await metric(s, router, "fleetserve_router_failures_total") == 5
         assert await metric(s, router, "fleetserve_router_requests_total") == 6
+        async with s.post(router + "/v1/completions", json={"prompt": "h"}, timeout=T) as r:
+            assert r.headers["X-Fake-Worker"] in ("w0", "w1") and r.headers["Content-Length"] == str(
+                len(await r.read()))
         # info endpoints and flush_cache
         status, body = await get_json(s, router + "/v1/models")
         assert status == 200 and body["data"][0]["id"] == "fake-model"
@@ -225,6 +228,8 @@ async def test_streaming_is_passed_through_without_buffering(procs):
             first = await r.content.readline()
             t_first = loop.time() - t0
             rest = await r.read()
+            assert r.headers["X-Fake-Worker"] == "w0"  # worker headers pass through
+            assert "Connection" not in r.headers or r.headers["Connection"].lower() == "keep-alive"
         # the first event arrives long before the stream ends (4 x 0.3 s)
         assert json.loads(first[len(b"data: "):])["i"] == 0
         assert t_first < 0.25
