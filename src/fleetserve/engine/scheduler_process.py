@@ -145,7 +145,12 @@ def _make_runner(args: ServerArgs, pstate: Any) -> Any:
 
 
 def load_tokenizer_for(args: ServerArgs) -> Any:
-    """The model's tokenizer (stop strings need it); ``None`` with ``--skip-tokenizer-init``."""
+    """The model's tokenizer (stop strings need it); ``None`` with ``--skip-tokenizer-init``.
+
+    A tokenizer converted from a GGUF file is read from (or saved to) the same
+    cache ``fleetserve serve`` uses (:func:`fleetserve.engine.launch_server.tokenizer_cache_dir`):
+    converting takes 10-40 s, the cached copy about 1 s.
+    """
     if args.skip_tokenizer_init:
         return None
     path = args.tokenizer_path or args.model_path
@@ -155,9 +160,17 @@ def load_tokenizer_for(args: ServerArgs) -> Any:
         path = default_model_path()
     from transformers import AutoTokenizer
 
-    if str(path).endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
+    if str(path).endswith(".gguf") and os.path.isfile(path):
+        from fleetserve.engine.launch_server import save_tokenizer_cache, tokenizer_cache_dir
+
+        cache_dir = tokenizer_cache_dir(path)
+        if os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json")):
+            return AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
+                                            local_files_only=True)
+        save_tokenizer_cache(tok, cache_dir)
+        return tok
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def dp_attention_hook(pstate: Any, device: str = "cpu"):
