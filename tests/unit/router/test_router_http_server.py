@@ -96,3 +96,29 @@ async def test_upstream_pool_reuses_connections_streams_and_times_out():
         await pool.post("http://127.0.0.1:9", "/echo", b"")  # nothing listens on the discard port
     pool.close()
     srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_upstream_reconnects_when_the_worker_dropped_an_idle_connection():
+    conns = []
+
+    async def handle(reader, writer):
+        conns.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        # answer as keep-alive, then drop the connection anyway (an idle timeout on the worker side)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    pool = UpstreamPool(timeout_s=5)
+    for _ in range(3):
+        resp = await pool.post(base, "/x", b"{}")
+        assert resp.status == 200 and await resp.read() == b"{}"
+        resp.release()
+        await asyncio.sleep(0.2)  # the worker closes the idle connection meanwhile
+    assert len(conns) == 3  # each request found its idle connection dead and opened a new one
+    pool.close()
+    srv.close()
