@@ -172,14 +172,14 @@ class GGUFSource:
         permuted = name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"))
         if dim == 0 and not permuted and data.ndim == 2:
             # Rows are stored contiguously: cut them before dequantizing.
-            out = dequantize(data[start:end], t.tensor_type)
-            return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+            out = np.asarray(dequantize(data[start:end], t.tensor_type), dtype=np.float32)
+            return torch.from_numpy(out if out.flags.writeable and out.flags.c_contiguous else out.copy())
         w = dequantize(data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape(self.shape(name))
         if permuted:
             heads = self.num_heads if ".q_proj." in name else self.num_kv_heads
             w = unpermute_qk_rows(w, heads)
-        out = torch.from_numpy(np.ascontiguousarray(w))
+        out = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
         if dim is not None:
             out = out.narrow(dim, start, end - start).contiguous()
         return out
