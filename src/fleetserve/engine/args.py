@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,9 @@ class ServerArgs:
         load_balance_method, nnodes, node_rank, dist_init_addr, dist_timeout (seconds).
 
     Misc:
-        random_seed: seed of the engine-wide RNG (unseeded requests draw from it).
+        random_seed: seed of the engine-wide RNG (unseeded requests draw from it);
+            ``None`` picks one at construction (as SGLang does), so that every rank
+            of an instance, built from the same pickled args, samples alike.
         log_level: Python logging level name.
         skip_tokenizer_init: take and return token ids only.
     """
@@ -107,6 +110,8 @@ class ServerArgs:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.random_seed is None:
+            self.random_seed = random.randint(0, (1 << 30) - 1)
         self.check()
 
     # ------------------------------------------------------------------ checks

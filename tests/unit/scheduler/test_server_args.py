@@ -26,7 +26,10 @@ def test_sglang_flags_parse():
 
 
 def test_defaults_match_dataclass():
-    assert parse([]) == ServerArgs()
+    a, b = parse([]), ServerArgs()
+    assert a.random_seed is not None and b.random_seed is not None  # picked once, shared by all ranks
+    a.random_seed = b.random_seed
+    assert a == b
     assert ServerArgs().chunk_size == 8192 and ServerArgs().world_size == 1
 
 
