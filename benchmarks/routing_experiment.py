@@ -123,18 +123,39 @@ def flush(urls: list[str]) -> None:
 
 
 # ----------------------------------------------------------------- one run
+def port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def run_one(label: str, kind: str, flags: list[str], urls: list[str], bench_argv: list[str], port: int,
             peer_python: str, logdir: Path) -> dict:
     flush(urls)
+    for _ in range(60):  # the previous router may still be closing
+        if port_free(port):
+            break
+        time.sleep(1)
+    else:
+        raise RuntimeError(f"port {port} is taken by another process: refusing to measure the wrong router")
     rp = start(router_cmd(kind, port, urls, flags, peer_python), logdir / f"router-{label}.log")
     try:
         wait_healthy([f"http://127.0.0.1:{port}"], [rp], 120)
         time.sleep(0.5)
+        if rp.poll() is not None:
+            raise RuntimeError(f"router {label} exited (code {rp.returncode}); see its log")
         args = bench_cli.build_parser().parse_args(
             ["--base-url", f"http://127.0.0.1:{port}", "--disable-tqdm", "--worker-urls", *urls, *bench_argv])
         t0 = time.monotonic()
         summary, _ = asyncio.run(bench_cli.run_bench(args))
         summary["wall_s"] = time.monotonic() - t0
+        if rp.poll() is not None:
+            raise RuntimeError(f"router {label} died during the run")
     finally:
         stop(rp)
     summary["label"], summary["router"], summary["router_flags"] = label, kind, flags
@@ -212,7 +233,7 @@ def sim_part(a: argparse.Namespace) -> None:
                 all_rows[f"{n}-{wname}"] = rows
                 sections.append((n, wname, rate, scale, rows))
                 RESULTS.mkdir(exist_ok=True)
-                (RESULTS / "routing_sim.json").write_text(json.dumps(all_rows, indent=1))
+                (RESULTS / f"{a.section}.json").write_text(json.dumps(all_rows, indent=1))
             finally:
                 stop(wp)
     body = [
@@ -229,15 +250,14 @@ def sim_part(a: argparse.Namespace) -> None:
         "the previous one finished). Both cache_aware routers run with sgl-router's default thresholds "
         "(cache 0.3, balance abs 64 / rel 1.5); the sweep rows vary one of them on our router. Every run "
         "starts from empty worker caches and a fresh router process. Ratios are to round robin on the same "
-        "table (TTFT: lower is better).", ""]
+        "table (TTFT: lower is better). " + a.note, ""]
     for n, wname, rate, scale, rows in sections:
         body += [f"### {n} workers, {wname} ({rate:g} req/s, k = {scale:g})", "", table(rows), ""]
     body += ["Reference point: SGLang's v0.4 release reported 3.8x hit rate (75% vs 20%) and 1.9x throughput "
              "for cache-aware routing over round robin on generated-shared-prefix with 8 workers."]
     if not a.no_doc:
         cmd = "python benchmarks/routing_experiment.py sim " + " ".join(shlex.quote(x) for x in a.argv)
-        write_section("routing-sim", "Routing: cache-aware vs round robin on simulated workers", cmd.strip(),
-                      "\n".join(body))
+        write_section(a.section, a.title, cmd.strip(), "\n".join(body))
 
 
 # ------------------------------------------------------------------- engine
@@ -299,6 +319,9 @@ def main() -> None:
     s.add_argument("--time-scale-multi-turn", type=float, default=3.0)
     s.add_argument("--sweep", action="store_true", help="add the threshold sweep rows")
     s.add_argument("--sweep-workers", type=int, nargs="+", default=[8])
+    s.add_argument("--section", default="routing-sim", help="docs/benchmarks.md section name")
+    s.add_argument("--title", default="Routing: cache-aware vs round robin on simulated workers")
+    s.add_argument("--note", default="", help="a sentence added to the section's description")
     e = sub.add_parser("engine")
     e.add_argument("--instances", type=int, default=2)
     e.add_argument("--engine-args", default="--max-total-tokens 8192")
