@@ -37,6 +37,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+MAX_IDLE_POLL_MS = 20
 
 
 def _loop_class():
@@ -54,16 +55,41 @@ def _loop_class():
             self.pstate = pstate
             self.leader = leader
             self.src = pstate.attn_dp_rank * pstate.attn_tp_size  # the group's first rank
+            self.idle_ms = IDLE_POLL_MS
+            self.last_forward_ct = None
+
+        def _idle_wait_ms(self) -> int:
+            """How long an idle leader waits for a message before stepping anyway.
+
+            Under DP attention every iteration joins the per-step collectives. While
+            another rank is busy (the last step ran a forward, IDLE here) this rank
+            does not wait at all, so it never slows the others' steps; while every
+            rank is idle it backs off from 2 ms to ``MAX_IDLE_POLL_MS`` (an idle
+            instance then costs ~50 small all-gathers a second, and a request arriving
+            at an idle instance waits at most that long for the other ranks). Plain TP
+            waits up to ``HEARTBEAT_S`` (the broadcast keeps the group in step).
+            """
+            if not self.always_step:
+                return int(HEARTBEAT_S * 1000)
+            ct = getattr(self.scheduler, "forward_ct", None)
+            ran_forward, self.last_forward_ct = ct != self.last_forward_ct, ct
+            if ran_forward:  # another rank is busy (this one ran IDLE): keep pace, no wait
+                self.idle_ms = IDLE_POLL_MS
+                return 0
+            wait = self.idle_ms
+            self.idle_ms = min(MAX_IDLE_POLL_MS, self.idle_ms * 2)
+            return wait
 
         def recv_requests(self, block: bool) -> list[Any]:
-            if self.pstate.attn_tp_size == 1:
-                return super().recv_requests(block)
             msgs: list[Any] = []
             if self.leader:
                 if block:
-                    timeout = IDLE_POLL_MS if self.always_step else int(HEARTBEAT_S * 1000)
-                    self.poller.poll(timeout)
+                    self.poller.poll(self._idle_wait_ms())
+                else:
+                    self.idle_ms = IDLE_POLL_MS
                 msgs = super().recv_requests(block=False)
+            if self.pstate.attn_tp_size == 1:
+                return msgs
             box = [msgs]
             dist.broadcast_object_list(box, src=self.src, group=self.pstate.attn_tp_cpu_group)
             return box[0]
@@ -210,7 +236,12 @@ def launch_rank_schedulers(args: Any, input_endpoint: str, output_endpoint: str,
     from fleetserve.distributed.launcher import RankLauncher, exit_instance, replica_init_methods
     from fleetserve.engine.dp_controller import DPController, DPRelay
 
-    validate_for_model(args)
+    from fleetserve.distributed.init import ParallelConfigError
+
+    try:
+        validate_for_model(args)
+    except ParallelConfigError as e:  # the server reports RuntimeErrors as one clean line
+        raise RuntimeError(f"impossible parallel layout: {e}") from e
     if args.nnodes > 1:
         raise NotImplementedError("several nodes: process groups support it (--dist-init-addr), but the "
                                   "request relay across machines is not built yet")
