@@ -178,8 +178,8 @@ class RankLauncher:
         """Watch the ranks from a daemon thread; on the first death stop the rest and call
         ``on_failure(err)`` (a server logs it and exits).
 
-        A rank that exits with status 0 was asked to stop (SIGTERM during shutdown) and
-        is not a failure; any other status or signal is.
+        A rank that exits with status 0 or by SIGTERM was asked to stop (shutdown) and
+        is not a failure; any other status or signal (SIGKILL, SIGSEGV ...) is.
         """
 
         def run() -> None:
@@ -190,7 +190,7 @@ class RankLauncher:
                     r = sentinels[s]
                     p = pending.pop(r)
                     p.join(0.1)
-                    if p.exitcode != 0 and not self._stopping:
+                    if p.exitcode not in (0, -signal.SIGTERM) and not self._stopping:
                         err = RankFailedError(r, p.pid, p.exitcode)
                         logger.error("%s", err)
                         self.stop()

@@ -114,9 +114,13 @@ def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
             time.sleep(every_s)
             try:
                 os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                os._exit(0)
-            except PermissionError:  # pragma: no cover - a reused pid of another user
+                with open(f"/proc/{parent_pid}/stat") as f:  # a zombie is gone too
+                    gone = f.read().rsplit(") ", 1)[1][:1] == "Z"
+            except (ProcessLookupError, PermissionError, FileNotFoundError):
+                gone = True
+            except OSError:  # no /proc: trust kill(0)
+                gone = False
+            if gone:
                 os._exit(0)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -132,7 +136,9 @@ def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoint
     replica, tp_rank = divmod(global_rank, tp_size)
     logging.basicConfig(level=str(args.log_level).upper(),
                         format=f"%(asctime)s %(levelname)s rank[{global_rank}] %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # SIGTERM ends a rank at once, even inside a blocking collective (a Python handler
+    # would only run after it); the watchdog treats SIGTERM as a requested stop.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
     try:
