@@ -72,9 +72,18 @@ class TreeNode:
 
 
 def _common_len(a: Sequence[int], a_start: int, b: Sequence[int]) -> int:
-    """Length of the common prefix of ``a[a_start:]`` and ``b``."""
+    """Length of the common prefix of ``a[a_start:]`` and ``b`` (lists of ints).
+
+    Compares blocks with C-level list equality first (a whole node usually
+    matches), then finds the first difference inside the failing block.
+    """
     n = min(len(a) - a_start, len(b))
+    if a[a_start: a_start + n] == b[:n]:
+        return n
     i = 0
+    step = 64
+    while i + step <= n and a[a_start + i: a_start + i + step] == b[i: i + step]:
+        i += step
     while i < n and a[a_start + i] == b[i]:
         i += 1
     return i

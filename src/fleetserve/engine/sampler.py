@@ -9,9 +9,12 @@ Order of operations per row (as in SGLang / vLLM):
 2. greedy rows (``temperature == 0`` or ``top_k == 1``): argmax;
 3. other rows: ``softmax(logit / temperature)``, then the top_k, top_p
    (smallest set of most likely tokens whose mass reaches ``top_p``) and
-   min_p (drop ``p < min_p * p_max``) masks, renormalise, draw one sample:
-   from the request's own ``torch.Generator`` when it set ``seed``
-   (deterministic), else from the engine-wide generator.
+   min_p (drop ``p < min_p * p_max``) masks, renormalise, draw one sample
+   by inverse CDF with one uniform number: from the request's own
+   ``torch.Generator`` when it set ``seed`` (deterministic), else from the
+   engine-wide generator. The masks look only at the top ``K`` tokens
+   (``topk``), falling back to the whole vocabulary when the kept set may be
+   larger, so no step sorts ``B x V`` logits.
 
 Logprobs (``return_logprob``) are ``log_softmax`` of the raw logits, before
 penalties and temperature (SGLang's default), with the top ``top_logprobs_num``
@@ -98,12 +101,70 @@ def top_logprob_list(logprobs_row: torch.Tensor, k: int) -> list[tuple[float, in
     return list(zip(vals.tolist(), ids.tolist()))
 
 
+def candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+               k_floor: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens top_k / top_p / min_p keep, without sorting the whole vocabulary.
+
+    Same result as :func:`mask_probs` on ``softmax(scaled)``, but only the top
+    ``K = max(k_floor, largest top_k)`` tokens are sorted (``topk``); a row whose
+    kept set might extend past ``K`` (its ``K``-th token is still kept and its
+    top_k allows more) is redone over the whole vocabulary.
+
+    Args:
+        scaled: float32 ``[R, V]`` logits already divided by the temperature.
+        top_k, top_p, min_p: ``[R]`` as in :func:`mask_probs`.
+
+    Returns:
+        ``(probs, ids)``: float32 ``[R, K']`` unnormalised kept probabilities (0 for
+        dropped) and int64 ``[R, K']`` their token ids.
+    """
+    vocab = scaled.shape[-1]
+    kk = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    limited = kk[kk < vocab]
+    width = min(vocab, max(k_floor, int(limited.max()) if limited.numel() else 0))
+    vals, ids = scaled.topk(width, dim=-1)
+    # top_p needs true probabilities (the whole vocabulary's normaliser); top_k and
+    # min_p only compare tokens with each other, so the top logit serves as shift.
+    shift = torch.logsumexp(scaled, dim=-1, keepdim=True) if bool((top_p < 1.0).any()) else vals[:, :1]
+    p = (vals - shift).exp()
+    keep = torch.arange(width).unsqueeze(0) < kk.unsqueeze(1)
+    keep &= (p.cumsum(dim=-1) - p) < top_p.unsqueeze(1)
+    keep &= p >= min_p.unsqueeze(1) * p[:, :1]
+    keep[:, 0] = True
+    if width < vocab:
+        redo = keep[:, -1] & (kk > width)
+        if bool(redo.any()):
+            rows = torch.nonzero(redo).flatten()
+            full_p, full_ids = candidates(scaled[rows], top_k[rows], top_p[rows], min_p[rows], k_floor=vocab)
+            pad = vocab - width
+            p = torch.cat([p * keep, torch.zeros(p.shape[0], pad)], dim=1)
+            ids = torch.cat([ids, torch.zeros(ids.shape[0], pad, dtype=ids.dtype)], dim=1)
+            p[rows] = full_p
+            ids[rows] = full_ids
+            return p, ids
+    return p * keep, ids
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column drawn from each row of non-negative ``weights`` ``[R, C]`` given uniforms ``u`` ``[R]`` in [0, 1).
+
+    Exact sampling with one uniform per row (zero-weight columns are never drawn).
+    """
+    cdf = weights.cumsum(dim=-1)
+    target = (u.unsqueeze(1) * cdf[:, -1:]).contiguous()
+    return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[-1] - 1).flatten()
+
+
 class Sampler:
     """Batched sampler.
 
     Args:
         seed: seed of the engine-wide generator used by requests without ``seed``
             (``None``: a nondeterministic seed).
+
+    Each sampled row uses exactly one uniform number, from the request's own
+    generator when it has a ``seed``: its samples do not depend on the other
+    requests in the batch, and survive retraction.
     """
 
     def __init__(self, seed: int | None = None):
@@ -125,42 +186,51 @@ class Sampler:
         want_lp = [r.return_logprob for r in reqs]
         raw_logprobs = None
         if any(want_lp):
-            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty != 0.0
                or r.sampling.presence_penalty != 0.0 for r in reqs):
             apply_penalties(logits, reqs)
 
-        greedy = [r.sampling.is_greedy for r in reqs]
         next_ids = logits.argmax(dim=-1)
-        if not all(greedy):
-            rows = [i for i in range(bsz) if not greedy[i]]
-            next_ids = next_ids.clone()
-            sub = logits[rows].float()
-            temps = torch.tensor([reqs[i].sampling.temperature for i in rows], dtype=torch.float32)
-            probs = torch.softmax(sub / temps.unsqueeze(1), dim=-1)
-            if any(reqs[i].sampling.top_k > 0 or reqs[i].sampling.top_p < 1.0 or reqs[i].sampling.min_p > 0.0
-                   for i in rows):
-                probs = mask_probs(
-                    probs,
-                    torch.tensor([reqs[i].sampling.top_k for i in rows], dtype=torch.int64),
-                    torch.tensor([reqs[i].sampling.top_p for i in rows], dtype=torch.float32),
-                    torch.tensor([reqs[i].sampling.min_p for i in rows], dtype=torch.float32),
-                )
+        rows = [i for i in range(bsz) if not reqs[i].sampling.is_greedy]
+        if rows:
+            u = torch.empty(len(rows))
             shared = [j for j, i in enumerate(rows) if reqs[i].generator is None]
             if shared:
-                drawn = torch.multinomial(probs[shared], 1, generator=self.generator).flatten()
-                next_ids[torch.tensor([rows[j] for j in shared])] = drawn
+                u[shared] = torch.rand(len(shared), generator=self.generator)
             for j, i in enumerate(rows):
                 g = reqs[i].generator
                 if g is not None:
-                    next_ids[i] = torch.multinomial(probs[j], 1, generator=g)[0]
+                    u[j] = torch.rand(1, generator=g)[0]
+            sps = [reqs[i].sampling for i in rows]
+            temps = torch.tensor([sp.temperature for sp in sps], dtype=torch.float32)
+            scaled = (logits[rows] if len(rows) < bsz else logits) / temps.unsqueeze(1)
+            restricted = [sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0 for sp in sps]
+            picked = torch.empty(len(rows), dtype=torch.int64)
+            free = [j for j in range(len(rows)) if not restricted[j]]
+            if free:
+                sub = scaled[free] if len(free) < len(rows) else scaled
+                probs = torch.softmax(sub, dim=-1)
+                picked[free] = inverse_cdf(probs, u[free])
+            lim = [j for j in range(len(rows)) if restricted[j]]
+            if lim:
+                sub = scaled[lim] if len(lim) < len(rows) else scaled
+                w, ids = candidates(
+                    sub,
+                    torch.tensor([sps[j].top_k for j in lim], dtype=torch.int64),
+                    torch.tensor([sps[j].top_p for j in lim], dtype=torch.float32),
+                    torch.tensor([sps[j].min_p for j in lim], dtype=torch.float32),
+                )
+                col = inverse_cdf(w, u[lim])
+                picked[lim] = ids.gather(1, col.unsqueeze(1)).flatten()
+            next_ids[torch.tensor(rows)] = picked
 
-        ids = next_ids.tolist()
+        ids_list = next_ids.tolist()
         lps: list[tuple[float, int] | None] = [None] * bsz
         tops: list[list[tuple[float, int]] | None] = [None] * bsz
         if raw_logprobs is not None:
             for i in range(bsz):
                 if want_lp[i]:
-                    lps[i] = (float(raw_logprobs[i, ids[i]]), ids[i])
+                    lps[i] = (float(raw_logprobs[i, ids_list[i]]), ids_list[i])
                     tops[i] = top_logprob_list(raw_logprobs[i], reqs[i].top_logprobs_num)
-        return SampleOutput(ids, lps, tops)
+        return SampleOutput(ids_list, lps, tops)

@@ -24,7 +24,7 @@ Admission (:class:`PrefillAdder`) is bounded by
 
 from __future__ import annotations
 
-from fleetserve.engine.radix_cache import RadixCache
+from fleetserve.engine.radix_cache import RadixCache, _common_len
 from fleetserve.engine.req import Req
 
 LPM_MAX_QUEUE = 128
@@ -68,11 +68,25 @@ def prefix_limit(req: Req) -> int:
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """Length of the common prefix of two token lists."""
+    return _common_len(a, 0, b)
+
+
+def defer_for_in_batch_share(fill: list[int], prefix_len: int, batch_fills: list[list[int]]) -> bool:
+    """Should a request wait one step to reuse the prefill of a request already in the batch?
+
+    Yes when the uncached tokens it shares with one of ``batch_fills`` would save
+    at least ``min(IN_BATCH_SHARE_MIN, what it must compute minus its last token)``
+    tokens of prefill (and at least one).
+    """
+    if not batch_fills:
+        return False
+    computable = len(fill) - 1 - prefix_len  # the last token is always computed
+    if computable <= 0:
+        return False
+    shared = max(common_prefix_len(fill, q) for q in batch_fills) - prefix_len
+    saved = min(shared, computable)
+    return saved > 0 and saved >= min(IN_BATCH_SHARE_MIN, computable)
 
 
 class PrefillAdder:

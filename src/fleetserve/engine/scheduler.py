@@ -48,8 +48,8 @@ from fleetserve.engine.req import Req
 from fleetserve.engine.sampler import Sampler, top_logprob_list
 from fleetserve.engine.schedule_batch import ScheduleBatch, build_decode, build_extend
 from fleetserve.engine.schedule_policy import (
-    IN_BATCH_SHARE_MIN, INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY, PrefillAdder,
-    common_prefix_len, decode_reserve, prefix_limit, sort_waiting,
+    INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY, PrefillAdder, decode_reserve,
+    defer_for_in_batch_share, prefix_limit, sort_waiting,
 )
 
 logger = logging.getLogger(__name__)
@@ -256,6 +256,7 @@ class Scheduler:
         if self.waiting:
             sort_waiting(self.waiting, self.args.schedule_policy, self.cache)
         admitted: list[Req] = []
+        batch_fills = [r.fill_ids for r in reqs]
         for r in list(self.waiting):
             if adder.running_slots <= 0:
                 break
@@ -263,10 +264,8 @@ class Scheduler:
             slots_prefix, node = self.cache.match_prefix(fill[: prefix_limit(r)])
             p = int(slots_prefix.numel())
             extend = len(fill) - p
-            if reqs and not self.cache.disable:
-                share = max(common_prefix_len(fill, q.fill_ids) for q in reqs) - p
-                if share > 0 and share >= min(IN_BATCH_SHARE_MIN, extend - 1):
-                    continue  # wait one step and reuse that request's prefill
+            if not self.cache.disable and defer_for_in_batch_share(fill, p, batch_fills):
+                continue  # wait one step and reuse that request's prefill from the radix cache
             reserve = decode_reserve(r, self.new_token_ratio)
             must_progress = not self.running and not reqs
             take = adder.plan(extend, reserve, must_progress)
@@ -294,6 +293,7 @@ class Scheduler:
             admitted.append(r)
             if chunked:
                 self.chunked_req = r
+            batch_fills.append(fill)
             reqs.append(r)
             prefix_lens.append(p)
             extend_lens.append(take)

@@ -87,5 +87,43 @@ def test_seed_is_deterministic_and_seeds_differ():
 
 def test_mixed_greedy_and_sampled_rows():
     logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 50.0]])
-    out = Sampler(0)(logits.clone(), [req(temperature=0.0), req(temperature=1.0, top_k=1 + 1)])
+    out = Sampler(0)(logits.clone(), [req(temperature=0.0), req(temperature=1.0, top_k=2)])
     assert out.next_ids == [1, 2]
+
+
+def test_candidates_equal_full_sort_masks():
+    from fleetserve.engine.sampler import candidates
+
+    torch.manual_seed(3)
+    scaled = torch.randn(6, 500) * torch.tensor([[0.1], [1.0], [3.0], [0.1], [1.0], [5.0]])
+    top_k = torch.tensor([-1, 10, -1, -1, 300, -1])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.99, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.5, 0.0, 0.05])
+    ref = mask_probs(torch.softmax(scaled, -1), top_k, top_p, min_p)
+    w, ids = candidates(scaled, top_k, top_p, min_p, k_floor=16)  # small K: rows 0, 3, 4 need the fallback
+    got = torch.zeros_like(ref).scatter_add_(1, ids, w)
+    got = got / got.sum(-1, keepdim=True)
+    assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_inverse_cdf_never_draws_zero_weight():
+    from fleetserve.engine.sampler import inverse_cdf
+
+    w = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(1000, 1)
+    u = torch.rand(1000, generator=torch.Generator().manual_seed(0))
+    col = inverse_cdf(w, u)
+    assert set(col.tolist()) == {1, 3}
+    assert abs((col == 1).float().mean().item() - 0.5) < 0.06
+
+
+def test_top_p_top_k_sampling_follows_masked_softmax():
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2])
+    n = 8000
+    for kw in ({"top_p": 0.8}, {"top_k": 3}, {"min_p": 0.5}):
+        reqs = [req(temperature=0.9, **kw) for _ in range(n)]
+        out = Sampler(2)(logits.repeat(n, 1), reqs)
+        freq = torch.bincount(torch.tensor(out.next_ids), minlength=5).float() / n
+        sp = reqs[0].sampling
+        ref = mask_probs(torch.softmax(logits / 0.9, -1).unsqueeze(0), one(sp.top_k), one(sp.top_p),
+                         one(sp.min_p))[0]
+        assert torch.allclose(freq, ref, atol=0.02), (kw, freq, ref)
