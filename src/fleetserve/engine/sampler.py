@@ -125,10 +125,12 @@ def candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m
     vals, ids = scaled.topk(width, dim=-1)
     # top_p needs true probabilities (the whole vocabulary's normaliser); top_k and
     # min_p only compare tokens with each other, so the top logit serves as shift.
-    shift = torch.logsumexp(scaled, dim=-1, keepdim=True) if bool((top_p < 1.0).any()) else vals[:, :1]
+    use_top_p = bool((top_p < 1.0).any())
+    shift = torch.logsumexp(scaled, dim=-1, keepdim=True) if use_top_p else vals[:, :1]
     p = (vals - shift).exp()
     keep = torch.arange(width).unsqueeze(0) < kk.unsqueeze(1)
-    keep &= (p.cumsum(dim=-1) - p) < top_p.unsqueeze(1)
+    if use_top_p:
+        keep &= (p.cumsum(dim=-1) - p) < top_p.unsqueeze(1)
     keep &= p >= min_p.unsqueeze(1) * p[:, :1]
     keep[:, 0] = True
     if width < vocab:
