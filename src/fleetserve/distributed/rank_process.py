@@ -26,10 +26,12 @@ Under DP attention each attention group also uses the scheduling rule of
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import random
+import shutil
 import signal
 import tempfile
 from typing import Any
@@ -256,6 +258,7 @@ def launch_rank_schedulers(args: Any, input_endpoint: str, output_endpoint: str,
     num_replicas = 1 if args.enable_dp_attention else args.dp_size
     init_methods = replica_init_methods(num_replicas, args.dist_init_addr)
     ipc_dir = tempfile.mkdtemp(prefix="fleetserve-ranks-")
+    atexit.register(shutil.rmtree, ipc_dir, True)
     rank_eps = [f"ipc://{ipc_dir}/rank{d}_in" for d in range(args.dp_size)]
     out_ep = f"ipc://{ipc_dir}/ranks_out"
     relay = DPRelay(DPController(args.dp_size, args.load_balance_method), input_endpoint, output_endpoint,
