@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # makes `helpers` importable
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1)  # tiny ops: thread sync costs more than it saves; also robust on a busy machine
 
 
 @pytest.fixture(scope="session")

@@ -59,6 +59,14 @@ class AttentionMetadata:
     batch_size: int
     max_q_len: int
     num_tokens: int
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as 0 / -inf in ``dtype`` (built once per forward, shared by all layers)."""
+        cache = self.__dict__.setdefault("_additive", {})
+        if dtype not in cache:
+            m = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            cache[dtype] = m.masked_fill_(~self.mask, float("-inf"))
+        return cache[dtype]
     global_num_tokens: list[int] | None = None
 
     @classmethod
@@ -125,7 +133,7 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     else:
         qp = torch.cat([q, q.new_zeros(1, hq, dk)]).index_select(0, meta.q_gather).view(B, S, hq, dk)
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.mask,
+        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.additive_mask(q.dtype),
         scale=scale, enable_gqa=k.shape[2] != hq,
     )  # [B, hq, S, dv]
     out = out.transpose(1, 2).reshape(B * S, hq, -1)

@@ -171,6 +171,8 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
         inv_freq, self.attention_factor = rope_inv_freq(rotary_dim, params, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._last_positions: torch.Tensor | None = None
+        self._last_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build(max_position or max_position_embeddings)
 
     def _build(self, n: int) -> None:
@@ -179,7 +181,18 @@ class RotaryEmbedding(nn.Module):
         self.sin_cache = freqs.sin() * self.attention_factor
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, rotary_dim / 2]`` float32 for ``positions`` ``[T]``."""
+        """cos and sin ``[T, rotary_dim / 2]`` float32 for ``positions`` ``[T]``.
+
+        Every layer of one forward passes the same ``positions`` tensor; the
+        result for the last one is memoised, so the lookup happens once per forward.
+        """
+        if positions is self._last_positions:
+            return self._last_cos_sin
+        cs = self._lookup(positions)
+        self._last_positions, self._last_cos_sin = positions, cs
+        return cs
+
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             self._build(max(int(positions.max()) + 1, 2 * self.cos_cache.shape[0]))
         if self.cos_cache.device != positions.device:
