@@ -143,3 +143,21 @@ def test_v2_group_limited_keeps_top_groups():
     _, ids = select_experts(logits, K, "softmax", "group_limited_greedy", 4, 1, False, 1.0)
     best_group = logits.softmax(-1).view(50, 4, 2).max(-1).values.argmax(-1)
     assert torch.equal(ids // 2, best_group[:, None].expand(50, K))
+
+
+def test_fused_checkpoint_layout_loads_the_same_experts():
+    """transformers >= 5 may store experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    g = torch.Generator().manual_seed(4)
+    t = _experts_tensors(g)
+    fused = {
+        "x.gate_up_proj": torch.stack([torch.cat([t[f"x.{e}.gate_proj.weight"], t[f"x.{e}.up_proj.weight"]])
+                                       for e in range(E)]),
+        "x.down_proj": torch.stack([t[f"x.{e}.down_proj.weight"] for e in range(E)]),
+    }
+    for ps in (ParallelState(), ParallelState(tp_rank=1, tp_size=2, ep_rank=1, ep_size=2),
+               ParallelState(tp_rank=1, tp_size=2, moe_tp_rank=1, moe_tp_size=2)):
+        a, b = RoutedExperts(H, 12, E, "silu", ps), RoutedExperts(H, 12, E, "silu", ps)
+        a.load(_dict_source(t), "x")
+        b.load(_dict_source(fused), "x")
+        assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)
+        assert a.w13.abs().sum() > 0
