@@ -302,6 +302,8 @@ def create_app(
                            "model_not_found")
 
     def submit(input_ids, sp, **kw) -> list[GenerationStream]:
+        if is_alive is not None and not is_alive():
+            raise APIError("the engine is not running (its scheduler process exited)", 503)
         try:
             return tm.submit(input_ids, sp, **kw)
         except APIError:

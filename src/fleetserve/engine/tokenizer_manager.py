@@ -241,7 +241,10 @@ class TokenizerManager:
         self.send_endpoint = send_endpoint
         self.recv_endpoint = recv_endpoint
         self.ctx = zmq.asyncio.Context()
-        self.send_sock = self.ctx.socket(zmq.PUSH)
+        # Sending uses a plain (synchronous) socket: a NOBLOCK send then raises at once when no
+        # scheduler is connected (an asyncio socket would park the error on a future nobody awaits).
+        self.sync_ctx = zmq.Context()
+        self.send_sock = self.sync_ctx.socket(zmq.PUSH)
         self.send_sock.setsockopt(zmq.LINGER, 0)
         self.send_sock.setsockopt(zmq.SNDHWM, 0)  # no cap: a burst of requests must queue, not fail
         (self.send_sock.bind if bind else self.send_sock.connect)(send_endpoint)
@@ -276,6 +279,7 @@ class TokenizerManager:
         self.send_sock.close(0)
         self.recv_sock.close(0)
         self.ctx.term()
+        self.sync_ctx.term()
 
     async def _recv_loop(self) -> None:
         while True:
@@ -303,7 +307,7 @@ class TokenizerManager:
                 logger.warning("unexpected message from scheduler: %r", type(msg).__name__)
 
     def _send(self, obj: Any) -> None:
-        # PUSH send of a small pickle never blocks for long; NOBLOCK keeps handlers from awaiting.
+        """Queue one message for the scheduler(s); raises ``zmq.Again`` when none is connected."""
         self.send_sock.send(pickle.dumps(obj), flags=zmq.NOBLOCK)
 
     def send_abort(self, rid: str) -> None:
@@ -336,7 +340,10 @@ class TokenizerManager:
         A scheduler refuses (False) while it has queued or running requests.
         """
         self._flush_replies = []
-        self._send(FlushCacheReq())
+        try:
+            self._send(FlushCacheReq())
+        except zmq.ZMQError:
+            return False
         deadline = time.monotonic() + timeout
         while len(self._flush_replies) < self.num_schedulers:
             left = deadline - time.monotonic()
@@ -352,7 +359,10 @@ class TokenizerManager:
     async def get_stats(self, timeout: float = 2.0) -> list[SchedulerStats]:
         """Ask every scheduler for fresh stats; return the newest per DP rank (may be stale on timeout)."""
         seen_before = self._stats_seq
-        self._send(GetStatsReq())
+        try:
+            self._send(GetStatsReq())
+        except zmq.ZMQError:  # no scheduler connected: the last stats we have
+            return [self.latest_stats[k] for k in sorted(self.latest_stats)]
         deadline = time.monotonic() + timeout
         while self._stats_seq - seen_before < self.num_schedulers:
             left = deadline - time.monotonic()
@@ -478,8 +488,13 @@ class TokenizerManager:
             s = GenerationStream(self, req, i)
             self.streams[req.rid] = s
             streams.append(s)
-        for s in streams:
-            self._send(s.req)
+        try:
+            for s in streams:
+                self._send(s.req)
+        except Exception:
+            for s in streams:
+                s.abort()
+            raise
         return streams
 
 

@@ -272,3 +272,24 @@ def test_generate_native(http):
         events = [ln[5:].strip() for ln in s.iter_lines() if ln.startswith("data:")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["meta_info"]["completion_tokens"] == 2
     assert http.post("/abort_request", json={"rid": "nothing-running"}).json()["success"] is False
+
+
+def test_chat_roles_parts_null_max_tokens_and_seed(client, http, model):
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                         {"type": "text", "text": "of France?"}]}]
+    # null max_tokens / max_completion_tokens mean "unset": generation ends at EOS, not at a default cap
+    r = http.post("/v1/chat/completions", json={"model": model, "messages": msgs, "temperature": 0,
+                                                "max_tokens": None, "max_completion_tokens": None}).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and "Paris" in r["choices"][0]["message"]["content"]
+    tool_chat = msgs[:1] + [{"role": "user", "content": "weather?"},
+                            {"role": "assistant", "content": "calling the tool"},
+                            {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    r = client.chat.completions.create(model=model, messages=tool_chat, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+    kw = dict(model=model, prompt="My favourite animal is", max_tokens=5, temperature=1.0, top_p=0.9,
+              extra_body={"top_k": 50, "min_p": 0.05, "ignore_eos": True})
+    a = client.completions.create(seed=7, **kw)
+    b = client.completions.create(seed=7, **kw)
+    assert a.usage.completion_tokens == b.usage.completion_tokens == 5
+    assert a.choices[0].text == b.choices[0].text  # same seed, same sample

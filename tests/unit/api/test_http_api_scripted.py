@@ -356,3 +356,35 @@ def test_non_streaming_disconnect_aborts(srv):
         assert not srv.tm.streams
     finally:
         srv.sched.delay = 0.01
+
+
+def test_no_scheduler_connected_is_503_not_a_hang():
+    """A server whose scheduler never connected answers 503 at once and keeps no request state."""
+    d = tempfile.mkdtemp(prefix="fs-api-")
+    port = free_port()
+    ready = threading.Event()
+    box = {}
+
+    async def main():
+        info = ModelInfo(model_path="/m", served_model_name=MODEL, vocab_size=257, context_length=CTX)
+        box["tm"] = tm = TokenizerManager(ByteTokenizer(), info, f"ipc://{d}/in", f"ipc://{d}/out")
+        box["server"] = server = uvicorn.Server(uvicorn.Config(create_app(tm), host="127.0.0.1", port=port,
+                                                               log_level="warning"))
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.02)
+        ready.set()
+        await task
+        await tm.close()
+
+    t = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    t.start()
+    try:
+        assert ready.wait(20)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "n": 2}, timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert box["tm"].streams == {}
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200
+    finally:
+        box["server"].should_exit = True
+        t.join(10)
