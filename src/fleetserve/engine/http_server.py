@@ -50,6 +50,13 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 # Paths answered without an API key (probes and scrapers).
 OPEN_PATHS = {"/health", "/metrics"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ENGINE_DIED = "the scheduler process exited"
+
+
+def raise_if_engine_died(outs: list[TokenOutput]) -> None:
+    """A non-streaming request cut short by a dead scheduler is a 503, not a 200 with "abort"."""
+    if any(o.finish_reason == "abort" and o.abort_message == ENGINE_DIED for o in outs):
+        raise APIError(f"{ENGINE_DIED} while generating this request", 503)
 
 
 # ------------------------------------------------------------------- body parsing
@@ -265,7 +272,7 @@ def create_app(
         while True:
             await asyncio.sleep(1.0)
             if not is_alive():
-                tm.fail_all("the scheduler process exited")
+                tm.fail_all(ENGINE_DIED)
 
     app = FastAPI(title="fleetserve engine", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     info = tm.info
@@ -487,6 +494,7 @@ def create_app(
         per: dict[int, list[TokenOutput]] = {i: [] for i in range(len(streams))}
         async for i, out in merge_streams(streams):
             per[i].append(out)
+        raise_if_engine_died([o for v in per.values() for o in v])
         choices = []
         completion = 0
         prompt_counts, cached_counts = [], []
@@ -601,6 +609,7 @@ def create_app(
         per: dict[int, list[TokenOutput]] = {i: [] for i in range(len(streams))}
         async for i, out in merge_streams(streams):
             per[i].append(out)
+        raise_if_engine_died([o for v in per.values() for o in v])
         choices, completion = [], 0
         first_last = None
         for i in range(len(streams)):
@@ -732,6 +741,7 @@ def create_app(
         per: dict[int, list[TokenOutput]] = {i: [] for i in range(len(streams))}
         async for i, out in merge_streams(streams):
             per[i].append(out)
+        raise_if_engine_died([o for v in per.values() for o in v])
         return [generate_result(s, per[i], req, t0, "".join(o.text for o in per[i]),
                                 [t for o in per[i] for t in o.token_ids]) for i, s in enumerate(streams)]
 

@@ -336,6 +336,9 @@ def test_dead_scheduler_ends_requests_instead_of_hanging():
         assert rest[-1].choices[0].finish_reason == "abort"
         r = httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        r = httpx.post(f"http://127.0.0.1:{s.port}/v1/completions", json={"prompt": "x"},
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5)
+        assert r.status_code == 503 and "scheduler" in r.json()["error"]["message"]
     finally:
         s.sched.delay = 0.0
         s.close()
