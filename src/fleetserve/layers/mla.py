@@ -37,7 +37,7 @@ from torch import nn
 
 from fleetserve.engine.forward_batch import ForwardMode
 from fleetserve.engine.kv_pool import MLAKVPool
-from fleetserve.layers.attention import AttentionMetadata, gather_rows, ragged_attention
+from fleetserve.layers.attention import AttentionMetadata, attend, gather_rows
 from fleetserve.layers.linear import NO_TP, ColumnParallelLinear, RowParallelLinear, TPGroup
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding, get_rope_parameters, mla_softmax_scale
@@ -121,20 +121,28 @@ class MLAttention(nn.Module):
         q_pe, k_pe = self.rotary(meta.positions, q_pe, k_pe.unsqueeze(1))
         if T:
             pool.set_kv(self.layer_id, meta.out_cache_loc, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1))
-        rows = gather_rows(pool.kv_buffer[self.layer_id], meta.kv_idx)  # [B, L, r + dr]
+        buf = pool.kv_buffer[self.layer_id]  # [P, r + dr]
         w_uk, w_uv = self._w_uk_uv()
         if meta.mode == ForwardMode.DECODE:
             # Absorbed: q_lat[t, h] = W_UK_h^T q_nope[t, h]; attend over [c_kv ; k_pe] directly.
             q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, h, r]
             q_full = torch.cat([q_lat, q_pe], dim=-1)
-            kv = rows.unsqueeze(2)  # [B, L, 1, r + dr]: one KV head shared by all query heads
-            out_lat = ragged_attention(q_full, kv, kv[..., : self.r], meta, self.scale)  # [T, h, r]
+
+            def latent_kv(idx):  # one KV "head" shared by all query heads: keys [c_kv ; k_pe], values c_kv
+                rows = gather_rows(buf, idx).unsqueeze(2)  # [B, L, 1, r + dr]
+                return rows, rows[..., : self.r]
+
+            out_lat = attend(q_full, meta, latent_kv, self.scale)  # [T, h, r]
             out = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, h, dv]
         else:
             # Expanded: per-head keys / values rebuilt from the gathered latents.
-            B, L = rows.shape[:2]
-            kvb = F.linear(rows[..., : self.r], self.kv_b_proj.weight).view(B, L, h, self.dn + self.dv)
-            k_nope, v = kvb.split([self.dn, self.dv], dim=-1)
-            k = torch.cat([k_nope, rows[..., self.r:].unsqueeze(2).expand(B, L, h, self.dr)], dim=-1)
-            out = ragged_attention(torch.cat([q_nope, q_pe], dim=-1), k, v, meta, self.scale)
+            def expanded_kv(idx):
+                rows = gather_rows(buf, idx)
+                B, L = rows.shape[:2]
+                kvb = F.linear(rows[..., : self.r], self.kv_b_proj.weight).view(B, L, h, self.dn + self.dv)
+                k_nope, v = kvb.split([self.dn, self.dv], dim=-1)
+                k = torch.cat([k_nope, rows[..., self.r:].unsqueeze(2).expand(B, L, h, self.dr)], dim=-1)
+                return k, v
+
+            out = attend(torch.cat([q_nope, q_pe], dim=-1), meta, expanded_kv, self.scale)
         return self.o_proj(out.reshape(T, h * self.dv))

@@ -15,7 +15,7 @@ from helpers.batch_driver import Req, free, run_decode, run_extend
 
 @pytest.fixture(scope="module")
 def v3_runner(tiny_deepseek_v3_dir):
-    return ModelRunner(tiny_deepseek_v3_dir, dtype="float32", max_total_tokens=256, show_progress=False)
+    return ModelRunner(tiny_deepseek_v3_dir, dtype="float32", max_total_tokens=1024, show_progress=False)
 
 
 def test_default_model_is_the_smollm2_gguf():
@@ -81,3 +81,34 @@ def test_bfloat16_serving_is_close_to_float32(tiny_llama_dir, v3_runner, tiny_de
             free(r, [req])
         assert outs[1].dtype == torch.float32
         assert torch.corrcoef(torch.stack([outs[0][0], outs[1][0]]))[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("which", ["llama", "v3"])
+def test_uneven_batch_is_split_into_groups_with_same_logits(which, v3_runner, tiny_llama_dir):
+    """One long prompt with many short ones: padding everything to one shape would
+    waste most of the work, so attention runs per length group -- same logits."""
+    from fleetserve.layers.attention import AttentionMetadata, _group_requests
+
+    runner = v3_runner if which == "v3" else ModelRunner(tiny_llama_dir, dtype="float32", max_total_tokens=1024,
+                                                         show_progress=False)
+    assert len(_group_requests([300] + [5] * 10, [300] + [5] * 10, decode=False)) >= 2
+    assert len(_group_requests([20, 18, 25], [20, 18, 25], decode=False)) == 1
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in [300] + [3, 7, 5, 2, 6, 4, 8, 9, 1, 5]]
+    alone = []
+    for p in prompts:
+        r = Req([])
+        alone.append(run_extend(runner, [r], [p])[0])
+        free(runner, [r])
+    reqs = [Req([]) for _ in prompts]
+    batched = run_extend(runner, reqs, prompts)
+    assert (batched - torch.stack(alone)).abs().max().item() <= 1e-4
+    # Decode with the same spread of lengths also splits, and matches one-by-one decode.
+    dec = run_decode(runner, reqs, [1] * len(prompts))
+    for i, r in enumerate(reqs):
+        one = Req([])
+        run_extend(runner, [one], [r.tokens[:-1]])
+        assert (run_decode(runner, [one], [1])[0] - dec[i]).abs().max().item() <= 1e-4
+        free(runner, [one])
+    free(runner, reqs)
+    assert runner.allocator.available_size() == runner.max_total_tokens
