@@ -180,17 +180,17 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = freqs.cos() * self.attention_factor
         self.sin_cache = freqs.sin() * self.attention_factor
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, rotary_dim / 2]`` float32 for ``positions`` ``[T]``.
+    def prepare(self, positions: torch.Tensor) -> None:
+        """Look up cos/sin for this forward's ``positions`` once; every layer then
+        reuses them (call at the start of each model forward)."""
+        self._last_positions, self._last_cos_sin = positions, self._lookup(positions)
 
-        Every layer of one forward passes the same ``positions`` tensor; the
-        result for the last one is memoised, so the lookup happens once per forward.
-        """
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, rotary_dim / 2]`` float32 for ``positions`` ``[T]``
+        (the :meth:`prepare`-d ones when it is the same tensor)."""
         if positions is self._last_positions:
             return self._last_cos_sin
-        cs = self._lookup(positions)
-        self._last_positions, self._last_cos_sin = positions, cs
-        return cs
+        return self._lookup(positions)
 
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:

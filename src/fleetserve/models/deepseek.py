@@ -117,6 +117,7 @@ class DeepseekForCausalLM(nn.Module):
         return len(self.layers) * (self.config.kv_lora_rank + self.config.qk_rope_head_dim) * elem
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: MLAKVPool) -> torch.Tensor:
+        self.rotary.prepare(meta.positions)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, meta, pool)

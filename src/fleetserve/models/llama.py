@@ -90,6 +90,7 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: MHAKVPool) -> torch.Tensor:
+        self.rotary.prepare(meta.positions)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, meta, pool)
