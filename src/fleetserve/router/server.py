@@ -122,8 +122,11 @@ class Request:
 class HttpProtocol(asyncio.Protocol):
     """One client connection."""
 
-    def __init__(self, routes: dict[str, dict[str, object]], max_body: int) -> None:
+    def __init__(self, routes: dict[str, dict[str, object]], max_body: int,
+                 live: set["HttpProtocol"] | None = None) -> None:
         self.routes = routes
+        self.live = live
+        self.idle_since: float | None = None
         self.max_body = max_body
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
@@ -142,9 +145,14 @@ class HttpProtocol(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.idle_since = self.loop.time()
+        if self.live is not None:
+            self.live.add(self)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self.live is not None:
+            self.live.discard(self)
         self._queue.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -176,6 +184,7 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
+        self.idle_since = None
         self._url = b""
         self._headers = {}
         self._body = []
@@ -246,6 +255,7 @@ class HttpProtocol(asyncio.Protocol):
             pass
         finally:
             self._task = None
+            self.idle_since = self.loop.time()
 
     async def _dispatch(self, req: Request) -> Response | None:
         by_method = self.routes.get(req.path)
@@ -293,8 +303,43 @@ class Routes:
         self.table.setdefault(path, {})[method] = handler
 
 
-async def start_server(routes: Routes, host: str, port: int, max_body: int, backlog: int = 1024) -> asyncio.Server:
-    """Listen on ``host:port``; returns the ``asyncio.Server`` (close it to stop)."""
+async def _close_idle(live: set[HttpProtocol], idle_timeout_s: float) -> None:
+    """Close client connections that sat idle (no request in progress) for ``idle_timeout_s``."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: HttpProtocol(routes.table, max_body), host, port, backlog=backlog,
-                                    reuse_address=True)
+    while True:
+        await asyncio.sleep(max(0.05, idle_timeout_s / 4))
+        now = loop.time()
+        for proto in list(live):
+            since = proto.idle_since
+            if since is not None and proto._task is None and now - since > idle_timeout_s:
+                proto.transport.close()
+
+
+async def start_server(routes: Routes, host: str, port: int, max_body: int, backlog: int = 1024,
+                       idle_timeout_s: float = 75.0) -> "ListeningServer":
+    """Listen on ``host:port``; returns a :class:`ListeningServer` (close it to stop).
+
+    Keep-alive client connections idle for ``idle_timeout_s`` seconds are closed
+    (aiohttp's server default is 75 s).
+    """
+    loop = asyncio.get_running_loop()
+    live: set[HttpProtocol] = set()
+    server = await loop.create_server(lambda: HttpProtocol(routes.table, max_body, live), host, port,
+                                      backlog=backlog, reuse_address=True)
+    return ListeningServer(server, loop.create_task(_close_idle(live, idle_timeout_s)))
+
+
+class ListeningServer:
+    """A started server: ``sockets`` as in ``asyncio.Server``; ``close()`` stops listening and the idle reaper."""
+
+    def __init__(self, server: asyncio.Server, reaper: asyncio.Task) -> None:
+        self.server = server
+        self.reaper = reaper
+
+    @property
+    def sockets(self):
+        return self.server.sockets
+
+    def close(self) -> None:
+        self.server.close()
+        self.reaper.cancel()

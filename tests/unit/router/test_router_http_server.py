@@ -122,3 +122,17 @@ async def test_upstream_reconnects_when_the_worker_dropped_an_idle_connection():
     assert len(conns) == 3  # each request found its idle connection dead and opened a new one
     pool.close()
     srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_idle_client_connections_are_closed():
+    routes = Routes()
+    routes.add("POST", "/echo", echo)
+    srv = await start_server(routes, "127.0.0.1", 0, 100, idle_timeout_s=0.3)
+    port = srv.sockets[0].getsockname()[1]
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\na")
+    assert (await asyncio.wait_for(r.readuntil(b'"n":1}'), 5)).startswith(b"HTTP/1.1 200")
+    assert await asyncio.wait_for(r.read(), 5) == b""  # the server closed the idle connection
+    w.close()
+    srv.close()
