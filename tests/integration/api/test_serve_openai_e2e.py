@@ -96,9 +96,15 @@ def test_models_and_info(client, http, model):
 
 def test_chat_stream_equals_non_stream(client, model):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+    whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
+                                           top_logprobs=2)
     text = whole.choices[0].message.content
     assert "Paris" in text
+    content = whole.choices[0].logprobs.content
+    raw = bytes(b for t in content for b in t.bytes).decode()  # exact bytes per token
+    assert raw == text or (whole.choices[0].finish_reason == "stop" and raw == text + "<|im_end|>")  # + EOS
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
+               for t in content)
     chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     body = [c for c in chunks if c.choices]
