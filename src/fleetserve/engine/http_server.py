@@ -575,7 +575,8 @@ def create_app(
                                        f"messages.{k}.content.{j}.type")
                     parts.append(part.text)
                 content = "\n".join(parts)
-            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            # OpenAI's "developer" role is the newer name of "system"; chat templates know the latter
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
             for extra in ("name", "tool_call_id", "tool_calls"):
                 if getattr(m, extra) is not None:
                     msg[extra] = getattr(m, extra)

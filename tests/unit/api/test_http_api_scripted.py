@@ -207,7 +207,8 @@ def test_stop_strings_stream_equals_non_stream(client, stop):
 
 
 def test_chat_streaming_matches_and_includes_usage(client):
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    msgs = [{"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     whole = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20)
     text = whole.choices[0].message.content
     assert text == script_text(20)
@@ -220,6 +221,8 @@ def test_chat_streaming_matches_and_includes_usage(client):
     assert body[-1].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    # the template saw "system: be brief\nuser: hi\nassistant: " (developer maps to system)
+    assert whole.usage.prompt_tokens == len("system: be brief\nuser: hi\nassistant: ")
 
 
 def test_n3_every_chunk_has_its_index(client):
