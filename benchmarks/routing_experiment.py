@@ -190,11 +190,11 @@ def routers(sweep: bool) -> list[tuple[str, str, list[str]]]:
            ("cache_aware (ours)", "ours", ["--policy", "cache_aware", *same]),
            ("cache_aware (sglang-router 0.3.2)", "sglang", ["--policy", "cache_aware", *same])]
     if sweep:
-        for ct in ("0.1", "0.8"):
+        for ct in ("0.1",):
             out.append((f"ours, cache_threshold={ct}", "ours",
                         ["--policy", "cache_aware", "--cache-threshold", ct, "--balance-abs-threshold", "64",
                          "--balance-rel-threshold", "1.5"]))
-        for ab, rel in (("8", "1.1"), ("256", "3.0"), ("100000", "1000")):
+        for ab, rel in (("8", "1.1"), ("100000", "1000")):
             out.append((f"ours, balance abs={ab} rel={rel}", "ours",
                         ["--policy", "cache_aware", "--cache-threshold", "0.3", "--balance-abs-threshold", ab,
                          "--balance-rel-threshold", rel]))
@@ -202,6 +202,32 @@ def routers(sweep: bool) -> list[tuple[str, str, list[str]]]:
 
 
 # ---------------------------------------------------------------------- sim
+def write_sim_doc(a: argparse.Namespace, sections: list) -> None:
+    body = [
+        "Simulated workers: `fleetserve sim-worker`, profile `h100-llama8b` (Llama-3.1-8B bf16 on one H100, "
+        "constants derived from the H100 datasheet, see `fleetserve/bench/timing_model.py`), "
+        f"KV capacity {a.max_total_tokens} tokens per worker, `--stream-interval {a.stream_interval}`. "
+        "The simulation runs k times slower than the model (k in each table's title) and the bench divides "
+        "its clock by the same factor, so all times and rates below are in model time (the slow-down keeps "
+        "the Python router, workers and client on this 2-core machine from being the bottleneck). Poisson "
+        f"arrivals at {a.rate_per_worker:g} (shared_prefix) and {a.rate_per_worker_multi_turn:g} (multi_turn, "
+        "first turns; later turns wait for the previous answer) requests/s per worker. Workloads (full size): shared_prefix 64 groups x 16 "
+        "prompts, system prompt 2048 + question 128 tokens, 256 output tokens (1024 requests); multi_turn 64 "
+        "conversations x 8 turns, 128-token questions, 256-token answers (512 requests, each turn sent after "
+        "the previous one finished). Both cache_aware routers run with sgl-router's default thresholds "
+        "(cache 0.3, balance abs 64 / rel 1.5); the sweep rows vary one of them on our router. Every run "
+        "starts from empty worker caches and a fresh router process. Ratios are to round robin on the same "
+        "table (TTFT: lower is better). " + a.note, ""]
+    for n, wname, rate, scale, rows in sections:
+        body += [f"### {n} workers, {wname} ({rate:g} req/s, k = {scale:g})", "", table(rows), ""]
+    body += ["Reference point: SGLang's v0.4 release reported 3.8x hit rate (75% vs 20%) and 1.9x throughput "
+             "for cache-aware routing over round robin on generated-shared-prefix with 8 workers."]
+    if not a.no_doc:
+        cmd = "python benchmarks/routing_experiment.py sim " + " ".join(shlex.quote(x) for x in a.argv)
+        write_section(a.section, a.title, cmd.strip(), "\n".join(body))
+
+
+
 def sim_part(a: argparse.Namespace) -> None:
     logdir = Path(a.log_dir)
     logdir.mkdir(parents=True, exist_ok=True)
@@ -228,36 +254,16 @@ def sim_part(a: argparse.Namespace) -> None:
                               "--request-rate", str(rate)]
                 print(f"== sim: {n} workers, {wname}, {rate:g} req/s (model time), time scale {scale}", flush=True)
                 sweep = a.sweep and n in a.sweep_workers and wname == "shared_prefix"
-                rows = [run_one(label, kind, flags, urls, bench_argv, 36900, a.peer_python, logdir)
-                        for label, kind, flags in routers(sweep)]
+                rows: list[dict] = []
                 all_rows[f"{n}-{wname}"] = rows
                 sections.append((n, wname, rate, scale, rows))
-                RESULTS.mkdir(exist_ok=True)
-                (RESULTS / f"{a.section}.json").write_text(json.dumps(all_rows, indent=1))
+                for label, kind, flags in routers(sweep):
+                    rows.append(run_one(label, kind, flags, urls, bench_argv, 36900, a.peer_python, logdir))
+                    RESULTS.mkdir(exist_ok=True)
+                    (RESULTS / f"{a.section}.json").write_text(json.dumps(all_rows, indent=1))
+                write_sim_doc(a, sections)
             finally:
                 stop(wp)
-    body = [
-        "Simulated workers: `fleetserve sim-worker`, profile `h100-llama8b` (Llama-3.1-8B bf16 on one H100, "
-        "constants derived from the H100 datasheet, see `fleetserve/bench/timing_model.py`), "
-        f"KV capacity {a.max_total_tokens} tokens per worker, `--stream-interval {a.stream_interval}`. "
-        "The simulation runs k times slower than the model (k in each table's title) and the bench divides "
-        "its clock by the same factor, so all times and rates below are in model time (the slow-down keeps "
-        "the Python router, workers and client on this 2-core machine from being the bottleneck). Poisson "
-        f"arrivals at {a.rate_per_worker:g} (shared_prefix) and {a.rate_per_worker_multi_turn:g} (multi_turn, "
-        "first turns; later turns wait for the previous answer) requests/s per worker. Workloads (full size): shared_prefix 64 groups x 16 "
-        "prompts, system prompt 2048 + question 128 tokens, 256 output tokens (1024 requests); multi_turn 64 "
-        "conversations x 8 turns, 128-token questions, 256-token answers (512 requests, each turn sent after "
-        "the previous one finished). Both cache_aware routers run with sgl-router's default thresholds "
-        "(cache 0.3, balance abs 64 / rel 1.5); the sweep rows vary one of them on our router. Every run "
-        "starts from empty worker caches and a fresh router process. Ratios are to round robin on the same "
-        "table (TTFT: lower is better). " + a.note, ""]
-    for n, wname, rate, scale, rows in sections:
-        body += [f"### {n} workers, {wname} ({rate:g} req/s, k = {scale:g})", "", table(rows), ""]
-    body += ["Reference point: SGLang's v0.4 release reported 3.8x hit rate (75% vs 20%) and 1.9x throughput "
-             "for cache-aware routing over round robin on generated-shared-prefix with 8 workers."]
-    if not a.no_doc:
-        cmd = "python benchmarks/routing_experiment.py sim " + " ".join(shlex.quote(x) for x in a.argv)
-        write_section(a.section, a.title, cmd.strip(), "\n".join(body))
 
 
 # ------------------------------------------------------------------- engine
