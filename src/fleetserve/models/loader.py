@@ -132,6 +132,43 @@ def unpermute_qk_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def dequantize_gguf(data: np.ndarray, qtype: Any) -> torch.Tensor:
+    """Dequantize GGUF tensor data to float32 ``[rows, cols]`` (or ``[n]``).
+
+    The block formats SmolLM2-style files use (Q8_0, Q4_0, Q4_1; ggml's
+    ``ggml-quants.c``) are unpacked with torch, with the same float32
+    arithmetic as ``gguf.quants`` (``d * q`` then ``+ m``), so results are
+    identical, only faster; float tensors are converted; every other type goes
+    through ``gguf.quants.dequantize``.
+
+    ``data``: the tensor's array from ``GGUFReader`` (rows of raw block bytes
+    for quantized types).
+    """
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    if qtype in (Q.F32, Q.F16, Q.BF16) or qtype not in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        out = np.asarray(dequantize(data, qtype), dtype=np.float32)
+        return torch.from_numpy(out if out.flags.writeable and out.flags.c_contiguous else out.copy())
+    raw = torch.from_numpy(np.array(data, copy=True).view(np.uint8))  # a private copy of the packed bytes
+    rows = raw.shape[0] if raw.ndim == 2 else 1
+    block_bytes = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[qtype]
+    blocks = raw.reshape(-1, block_bytes)
+    d = blocks[:, :2].contiguous().view(torch.float16).float()  # [n, 1]
+    if qtype == Q.Q8_0:
+        out = blocks[:, 2:].contiguous().view(torch.int8).float() * d
+    else:
+        head = 4 if qtype == Q.Q4_1 else 2
+        qs = blocks[:, head:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # low nibbles are elements 0..15, high ones 16..31
+        if qtype == Q.Q4_1:
+            m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+            out = d * q.float() + m
+        else:
+            out = d * (q.to(torch.int8) - 8).float()
+    return out.reshape(rows, -1) if raw.ndim == 2 else out.reshape(-1)
+
+
 class GGUFSource:
     """Weights of a llama GGUF file, dequantized to float32 with the ``gguf`` package.
 
@@ -162,8 +199,6 @@ class GGUFSource:
         return tuple(int(x) for x in reversed(self._tensors[name].shape))
 
     def read(self, name: str, dim: int | None = None, start: int | None = None, end: int | None = None) -> torch.Tensor:
-        from gguf.quants import dequantize
-
         self.reads.append((name, dim, start, end))
         if name not in self._tensors:
             raise KeyError(f"tensor {name!r} not found in {self.path}")
@@ -172,14 +207,11 @@ class GGUFSource:
         permuted = name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"))
         if dim == 0 and not permuted and data.ndim == 2:
             # Rows are stored contiguously: cut them before dequantizing.
-            out = np.asarray(dequantize(data[start:end], t.tensor_type), dtype=np.float32)
-            return torch.from_numpy(out if out.flags.writeable and out.flags.c_contiguous else out.copy())
-        w = dequantize(data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape(self.shape(name))
+            return dequantize_gguf(data[start:end], t.tensor_type)
+        out = dequantize_gguf(data, t.tensor_type).reshape(self.shape(name))
         if permuted:
             heads = self.num_heads if ".q_proj." in name else self.num_kv_heads
-            w = unpermute_qk_rows(w, heads)
-        out = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+            out = torch.from_numpy(unpermute_qk_rows(out.numpy(), heads).copy())
         if dim is not None:
             out = out.narrow(dim, start, end - start).contiguous()
         return out

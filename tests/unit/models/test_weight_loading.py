@@ -28,6 +28,29 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert not np.array_equal(llama_cpp_permute(w, 3), w)
 
 
+def test_torch_dequantize_equals_gguf_package(smollm2_path):
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    from fleetserve.models.config import gguf_reader
+    from fleetserve.models.loader import dequantize_gguf
+
+    x = np.random.RandomState(0).randn(6, 96).astype(np.float32)
+    for q in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        packed = quantize(x, q)
+        ours = dequantize_gguf(packed, q)
+        assert torch.equal(ours, torch.from_numpy(dequantize(packed, q)))
+        assert 0 < (ours - torch.from_numpy(x)).abs().max().item() < 0.5
+    seen = set()
+    for t in gguf_reader(smollm2_path).tensors:
+        if t.tensor_type in seen:
+            continue
+        seen.add(t.tensor_type)
+        ref = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        assert torch.equal(dequantize_gguf(t.data, t.tensor_type), torch.from_numpy(ref.copy()))
+    assert {Q.Q8_0, Q.Q4_1, Q.F32} <= seen
+
+
 def _logits(runner, prompt):
     r = Req([])
     out = run_extend(runner, [r], [prompt], return_all_logits=True)
