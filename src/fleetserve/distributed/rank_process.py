@@ -34,6 +34,7 @@ import random
 import shutil
 import signal
 import tempfile
+import zlib
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -209,7 +210,49 @@ class RankInstance:
 
     def stop(self) -> None:
         self.launcher.stop()
-        self.relay.stop()
+        if self.relay is not None:
+            self.relay.stop()
+
+
+def relay_endpoints(args: Any, ipc_dir: str) -> tuple[list[str], str]:
+    """Where the relay's per-DP-rank PUSH sockets and its output PULL live.
+
+    One node: ``ipc://`` files in ``ipc_dir``. Several nodes: TCP on the host of
+    ``--dist-init-addr`` (node 0), ports ``port + 1 .. port + dp_size`` for the ranks'
+    inputs and ``port + dp_size + 1`` for their outputs (``port`` itself is the
+    process-group rendezvous).
+    """
+    if args.nnodes == 1:
+        return [f"ipc://{ipc_dir}/rank{d}_in" for d in range(args.dp_size)], f"ipc://{ipc_dir}/ranks_out"
+    host, _, port = str(args.dist_init_addr).rpartition(":")
+    base = int(port)
+    return ([f"tcp://{host}:{base + 1 + d}" for d in range(args.dp_size)], f"tcp://{host}:{base + 1 + args.dp_size}")
+
+
+def run_worker_node(args: Any, startup_timeout: float = 600.0) -> int:
+    """``fleetserve serve --node-rank K`` (K > 0): start this node's ranks, no HTTP server.
+
+    Blocks while the ranks run; returns 1 (after logging why) if one fails to start.
+    A rank dying later ends this process through the watchdog (status 1).
+    """
+    import time
+
+    instance = launch_rank_schedulers(args, "", "")
+    deadline = time.monotonic() + startup_timeout
+    for reader in instance.readers:
+        while not reader.poll(0.5):
+            if time.monotonic() > deadline:
+                logger.error("ranks of node %d not ready after %.0f s", args.node_rank, startup_timeout)
+                instance.stop()
+                return 1
+        msg = reader.recv()
+        if msg.get("status") != "ready":
+            logger.error("%s", msg.get("error"))
+            instance.stop()
+            return 1
+    logger.info("node %d: ranks %s ready", args.node_rank, sorted(instance.launcher.procs))
+    while True:
+        time.sleep(1.0)
 
 
 def validate_for_model(args: Any) -> None:
@@ -236,8 +279,13 @@ def launch_rank_schedulers(args: Any, input_endpoint: str, output_endpoint: str,
     Returns:
         A :class:`RankInstance`; its ``readers`` yield each rank's ready dict.
 
+    With ``--nnodes N`` this node starts its ``world_size / N`` ranks; node 0 also
+    runs the relay, whose sockets are then TCP ports next to ``--dist-init-addr``
+    (:func:`relay_endpoints`) so that the other nodes' ranks can reach it.
+
     Raises:
-        ParallelConfigError: impossible sizes for this model. NotImplementedError: ``nnodes > 1``.
+        RuntimeError: impossible sizes for this model. NotImplementedError: DP replicas
+        (no DP attention) over several nodes.
     """
     import multiprocessing as mp
 
@@ -250,28 +298,32 @@ def launch_rank_schedulers(args: Any, input_endpoint: str, output_endpoint: str,
         validate_for_model(args)
     except ParallelConfigError as e:  # the server reports RuntimeErrors as one clean line
         raise RuntimeError(f"impossible parallel layout: {e}") from e
-    if args.nnodes > 1:
-        raise NotImplementedError("several nodes: process groups support it (--dist-init-addr), but the "
-                                  "request relay across machines is not built yet")
-    if args.random_seed is None:  # one seed for all ranks, so TP ranks sample alike
-        args = dataclasses.replace(args, random_seed=random.randrange(1 << 31))
     num_replicas = 1 if args.enable_dp_attention else args.dp_size
+    if args.nnodes > 1 and num_replicas > 1:
+        raise NotImplementedError("several nodes run one process group: use --enable-dp-attention (or --dp-size 1); "
+                                  "independent DP replicas across nodes are separate instances behind the router")
+    if args.random_seed is None:  # one seed for all ranks (on every node), so TP ranks sample alike
+        seed = zlib.crc32(str(args.dist_init_addr).encode()) if args.nnodes > 1 else random.randrange(1 << 31)
+        args = dataclasses.replace(args, random_seed=seed)
     init_methods = replica_init_methods(num_replicas, args.dist_init_addr)
     ipc_dir = tempfile.mkdtemp(prefix="fleetserve-ranks-")
     atexit.register(shutil.rmtree, ipc_dir, True)
-    rank_eps = [f"ipc://{ipc_dir}/rank{d}_in" for d in range(args.dp_size)]
-    out_ep = f"ipc://{ipc_dir}/ranks_out"
-    relay = DPRelay(DPController(args.dp_size, args.load_balance_method), input_endpoint, output_endpoint,
-                    rank_eps, out_ep).start()
+    rank_eps, out_ep = relay_endpoints(args, ipc_dir)
+    relay = None
+    if args.node_rank == 0:
+        relay = DPRelay(DPController(args.dp_size, args.load_balance_method), input_endpoint, output_endpoint,
+                        rank_eps, out_ep).start()
+    per_node = args.world_size // args.nnodes
+    mine = list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
     ctx = mp.get_context("forkserver")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
-    launcher = RankLauncher(run_rank, range(args.world_size),
+    pipes = {r: ctx.Pipe(duplex=False) for r in mine}
+    launcher = RankLauncher(run_rank, mine,
                             args_for_rank=lambda r: (args, init_methods, rank_eps, out_ep, pipes[r][1],
                                                      os.getpid()),
                             preload=("torch",), name="fleetserve-rank")
     launcher.start()
-    for _, w in pipes:
+    for _, w in pipes.values():
         w.close()
     if watchdog:
         launcher.start_watchdog(on_failure or exit_instance)
-    return RankInstance(launcher, relay, [r for r, _ in pipes], ipc_dir)
+    return RankInstance(launcher, relay, [pipes[r][0] for r in mine], ipc_dir)

@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         from fleetserve.models.registry import default_model_path
 
         args.model_path = default_model_path()
+    if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP (issue 5)
+        from fleetserve.distributed.rank_process import run_worker_node
+
+        return run_worker_node(args, ns.startup_timeout)
     ipc_dir = tempfile.mkdtemp(prefix="fleetserve-")
     input_ep = f"ipc://{ipc_dir}/scheduler_in"
     output_ep = f"ipc://{ipc_dir}/scheduler_out"

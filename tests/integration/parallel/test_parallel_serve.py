@@ -48,6 +48,27 @@ def _start(model_dir, log_path, *flags):
     raise AssertionError("server did not become healthy:\n" + open(log_path).read()[-3000:])
 
 
+def _free_block(n):
+    """A port p with p .. p + n - 1 all free a moment ago."""
+    import socket
+
+    for _ in range(50):
+        p = free_port()
+        socks = []
+        try:
+            for k in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p + k))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError("no block of free ports")
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
@@ -111,3 +132,33 @@ def test_tp2_server_keeps_ranks_in_step(tiny_deepseek_v3_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+def test_two_nodes_on_one_machine(tiny_deepseek_v3_dir, tmp_path):
+    """--nnodes 2: node 1 runs its rank only and reaches node 0's process group and relay over
+    TCP; when node 1 goes away, node 0 fails fast too."""
+    ref = hf_greedy(tiny_deepseek_v3_dir, PROMPTS, N_NEW)
+    addr = f"127.0.0.1:{_free_block(4)}"  # rendezvous + the relay's 3 ports after it
+    flags = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2", "--nnodes", "2",
+             "--dist-init-addr", addr]
+    log1 = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_deepseek_v3_dir,
+                              "--dtype", "float32", "--max-total-tokens", "512", "--dist-timeout", "30",
+                              "--node-rank", "1", *flags], stdout=log1, stderr=subprocess.STDOUT)
+    node0 = None
+    try:
+        node0, port = _start(tiny_deepseek_v3_dir, str(tmp_path / "node0.log"), "--node-rank", "0", *flags)
+        for ids, (want, _) in zip(PROMPTS, ref):
+            assert _generate(port, ids)["output_ids"] == want
+        deadline = time.monotonic() + 20  # node 1 logs its ranks' readiness on its own schedule
+        while "node 1: ranks [1] ready" not in open(tmp_path / "node1.log").read():
+            assert time.monotonic() < deadline, open(tmp_path / "node1.log").read()[-2000:]
+            time.sleep(0.2)
+        node1.kill()
+        assert node0.wait(timeout=30) == 1
+        assert "rank 0 (pid" in open(tmp_path / "node0.log").read()
+    finally:
+        for p in (node0, node1):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(5)
