@@ -35,7 +35,7 @@ from torch import nn
 
 from fleetserve.distributed.parallel_state import SINGLE, ParallelState, all_reduce, shard_range
 from fleetserve.distributed.moe_dispatch import EPDispatcher
-from fleetserve.layers.linear import NO_TP, full_tp_group, moe_tp_group
+from fleetserve.layers.linear import NO_TP, full_tp_group
 from fleetserve.layers.mlp import GatedMLP, activation
 
 
