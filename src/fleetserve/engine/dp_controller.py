@@ -152,10 +152,14 @@ class DPRelay:
             raise ValueError(f"{len(rank_endpoints)} rank endpoints for dp_size {controller.dp_size}")
         self.controller = controller
         self.ctx = zmq.Context()
+        # The tokenizer manager binds after the ranks are up; retry the connection every
+        # 10 ms (zmq's default is 100 ms) so requests right after start-up find the relay.
         self.from_tm = self.ctx.socket(zmq.PULL)
+        self.from_tm.setsockopt(zmq.RECONNECT_IVL, 10)
         self.from_tm.connect(tm_send_endpoint)
         self.to_tm = self.ctx.socket(zmq.PUSH)
         self.to_tm.setsockopt(zmq.LINGER, 0)
+        self.to_tm.setsockopt(zmq.RECONNECT_IVL, 10)
         self.to_tm.connect(tm_recv_endpoint)
         self.to_ranks = []
         for ep in rank_endpoints:

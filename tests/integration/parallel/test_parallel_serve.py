@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,7 +81,16 @@ def _alive(pid):
 
 def _generate(port, ids, **sp):
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True, **sp}}
-    return _http(f"http://127.0.0.1:{port}/generate", body)
+    deadline = time.monotonic() + 3
+    while True:
+        try:
+            return _http(f"http://127.0.0.1:{port}/generate", body)
+        except urllib.error.HTTPError as e:
+            # Just after /health turns OK, the relay may still be connecting to the HTTP
+            # side's freshly bound socket (503 "not accepting requests"); nothing else is retried.
+            if e.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def test_dp_attention_ep_server_spreads_requests_and_dies_cleanly(tiny_deepseek_v3_dir, tmp_path):
