@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
         async def serve() -> None:
             tm = TokenizerManager(tokenizer, info, input_ep, output_ep, num_schedulers=len(procs))
+            await tm.wait_connected(timeout=60.0)  # /health answers 200 only once requests can flow
             app = create_app(tm, server_args=args.to_dict(), api_key=args.api_key,
                              max_request_bytes=ns.max_request_bytes,
                              is_alive=lambda: all(p.is_alive() for p in procs))

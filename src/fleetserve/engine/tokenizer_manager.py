@@ -375,6 +375,25 @@ class TokenizerManager:
                 break
         return [self.latest_stats[k] for k in sorted(self.latest_stats)]
 
+    async def wait_connected(self, timeout: float = 30.0) -> None:
+        """Return once every scheduler has answered a stats request over both sockets.
+
+        The schedulers' "ready" handshake only says the model is loaded; their ZMQ
+        connections to this process may still be settling. Serving before a round
+        trip succeeded would answer the first requests with 503.
+        Raises RuntimeError after ``timeout`` seconds.
+        """
+        self.start()
+        deadline = time.monotonic() + timeout
+        while True:
+            before = self._stats_seq
+            await self.get_stats(timeout=0.5)
+            if self._stats_seq - before >= self.num_schedulers:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"schedulers did not answer over ZMQ within {timeout:.0f} s")
+            await asyncio.sleep(0.02)
+
     # -------------------------------------------------------------- tokenizing
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
