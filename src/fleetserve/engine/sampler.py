@@ -180,7 +180,8 @@ class Sampler:
         """Sample one token per row.
 
         Args:
-            logits: float32 ``[B, V]`` (row ``i`` for ``reqs[i]``); may be modified in place.
+            logits: float32 ``[B, V]`` (row ``i`` for ``reqs[i]``); never modified (the model
+                runner returns inference-mode tensors, which must not be edited in place).
             reqs: the ``B`` requests (their sampling params, outputs, generators).
         """
         bsz = logits.shape[0]
@@ -191,6 +192,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty != 0.0
                or r.sampling.presence_penalty != 0.0 for r in reqs):
+            logits = logits.clone()  # penalties edit in place; keep the runner's tensor intact
             apply_penalties(logits, reqs)
 
         next_ids = logits.argmax(dim=-1)
