@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.distributed.parallel_state import ParallelState, all_gather_cat, all_reduce, shard_range
+from fleetserve.layers.cpu_gemm import PackedLinear
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+        self._gemm = PackedLinear()
 
     def load(self, source: Any, name: str, part: int = 0, bias_name: str | None = None) -> None:
         """Read this rank's rows of part ``part`` from tensor ``name`` (``[o, in]``)."""
@@ -108,7 +110,7 @@ class ColumnParallelLinear(nn.Module):
             _copy_into(self.bias[off:off + n], source.read(bias_name, 0, start, end), bias_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._gemm(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -133,6 +135,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.col_end - self.col_start, dtype=dtype),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._gemm = PackedLinear()
 
     def load(self, source: Any, name: str, bias_name: str | None = None) -> None:
         _copy_into(self.weight, source.read(name, 1, self.col_start, self.col_end), name)
@@ -140,7 +143,7 @@ class RowParallelLinear(nn.Module):
             _copy_into(self.bias, source.read(bias_name), bias_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._gemm(x, self.weight)
         if self.reduce_results:
             y = all_reduce(y, self.tp.group, self.tp.size)
         if self.bias is not None:
@@ -201,6 +204,7 @@ class ParallelLMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.zeros(self.end - self.start, hidden_size, dtype=dtype),
                                        requires_grad=False)
+        self._gemm = PackedLinear()
 
     def load(self, source: Any, name: str) -> None:
         real_end = min(self.end, self.vocab_size)
@@ -208,7 +212,7 @@ class ParallelLMHead(nn.Module):
             _copy_into(self.weight[: real_end - self.start], source.read(name, 0, self.start, real_end), name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self._gemm(hidden, self.weight)
         logits = all_gather_cat(logits, self.tp.group, self.tp.size, dim=-1)
         if self.padded_vocab != self.vocab_size:
             logits = logits[:, : self.vocab_size]
