@@ -286,7 +286,8 @@ def engine_part(a: argparse.Namespace) -> None:
     try:
         wait_healthy(urls, procs, 900)
         for wname in a.workloads:
-            bench_argv = [*workloads[wname], "--seed", "0", "--request-rate", str(a.rate)]
+            # sglang-router fills in model "unknown" when a request names none, which our engine rejects
+            bench_argv = [*workloads[wname], "--seed", "0", "--request-rate", str(a.rate), "--model", a.model]
             print(f"== engine: {a.instances} instances, {wname}, {a.rate} req/s", flush=True)
             rows = [run_one(label, kind, flags, urls, bench_argv, 36900, a.peer_python, logdir)
                     for label, kind, flags in routers(False)]
@@ -340,6 +341,7 @@ def main() -> None:
     e.add_argument("--question-len", type=int, default=32)
     e.add_argument("--output-len", type=int, default=16)
     e.add_argument("--rate", type=float, default=1.0)
+    e.add_argument("--model", default="SmolLM2-135M-Instruct.Q4_1", help="model name the instances serve")
     for q in (s, e):
         q.add_argument("--peer-python", default="/tmp/peers/bin/python")
         q.add_argument("--log-dir", default="/tmp/routing_experiment")
