@@ -2,7 +2,7 @@
 
 On this project's CPU machines (AMD EPYC, AVX2, no AMX) torch's default
 ``F.linear`` goes to MKL's sgemm, which is slow for the small row counts of
-decode (1-32 tokens): the SmolLM2 LM head (``[49152, 576]``) took ~2x as long
+decode (8-32 tokens): the SmolLM2 LM head (``[49152, 576]``) took ~1.5-2x as long
 through MKL as through oneDNN with the weight reordered once into oneDNN's
 blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, then
 ``torch.ops.mkldnn._linear_pointwise`` -- the same pair torch.compile's CPU
@@ -15,6 +15,9 @@ It costs one extra copy of the weight in memory.
 
 Results are float32 like MKL's, with a different summation order (differences
 of order 1e-6 relative); the parity tests against transformers cover them.
+
+Only calls with ``MIN_ROWS <= rows <= MAX_ROWS`` take this path (decode and
+small prefills); measured on the same machine, MKL was as fast or faster outside.
 
 Set ``FLEETSERVE_ONEDNN_LINEAR=0`` to turn this off (plain ``F.linear``).
 """
@@ -33,6 +36,9 @@ PACK_BATCH_HINT = 32
 #: Fewer rows than this go to plain ``F.linear``: at one decode token MKL's
 #: matrix-vector path was faster than oneDNN here.
 MIN_ROWS = 4
+#: More rows than this (prefill) also go to ``F.linear``: for 384- and
+#: 1000-token prefills MKL was ~5% faster, and at 64 decode rows the two were even.
+MAX_ROWS = 128
 
 
 def _available() -> bool:
@@ -66,7 +72,8 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if (not ENABLED or self._failed or x.device.type != "cpu" or x.dtype != torch.float32
-                or weight.dtype != torch.float32 or torch.is_grad_enabled() or x.dim() != 2 or x.shape[0] < MIN_ROWS):
+                or weight.dtype != torch.float32 or torch.is_grad_enabled() or x.dim() != 2
+                or not MIN_ROWS <= x.shape[0] <= MAX_ROWS):
             return F.linear(x, weight, bias)
         try:
             key = (weight.data_ptr(), weight._version, tuple(weight.shape))
