@@ -109,24 +109,9 @@ def _loop_class():
 def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
     """End this rank when the process that launched the instance is gone (a rank is a
     child of the fork server, so it would otherwise outlive a killed server)."""
-    import threading
-    import time
+    from fleetserve.engine.parent_watch import exit_with_parent
 
-    def watch() -> None:
-        while True:
-            time.sleep(every_s)
-            try:
-                os.kill(parent_pid, 0)
-                with open(f"/proc/{parent_pid}/stat") as f:  # a zombie is gone too
-                    gone = f.read().rsplit(") ", 1)[1][:1] == "Z"
-            except (ProcessLookupError, PermissionError, FileNotFoundError):
-                gone = True
-            except OSError:  # no /proc: trust kill(0)
-                gone = False
-            if gone:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    exit_with_parent(parent_pid, every_s)
 
 
 def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoints: list[str],

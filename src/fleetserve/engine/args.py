@@ -128,6 +128,8 @@ class ServerArgs:
                 f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         for name in ("tp_size", "dp_size", "ep_size", "nnodes", "stream_interval", "max_prefill_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

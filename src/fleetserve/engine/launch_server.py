@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -127,8 +128,15 @@ def _stop(procs, grace: float = 5.0) -> None:
             p.join(1.0)
 
 
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    # uvicorn re-raises the signal it caught once it has shut down; with the default
+    # SIGTERM action the process would die before stopping its scheduler children.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         args = ServerArgs.from_cli_args(ns)
     except ValueError as e:

@@ -194,11 +194,16 @@ def dp_attention_hook(pstate: Any, device: str = "cpu"):
 
 
 def run_scheduler_process(args: ServerArgs, input_endpoint: str, output_endpoint: str, ready_writer: Any,
-                          pstate: Any = None, dp_rank: int = 0) -> None:
-    """Process entry point: load the model, connect, hand-shake, loop until terminated."""
+                          pstate: Any = None, dp_rank: int = 0, parent_pid: int | None = None) -> None:
+    """Process entry point: load the model, connect, hand-shake, loop until terminated
+    (SIGTERM, or ``parent_pid`` -- the server -- disappearing)."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s scheduler[{dp_rank}] %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if parent_pid is not None:
+        from fleetserve.engine.parent_watch import exit_with_parent
+
+        exit_with_parent(parent_pid)
     try:
         from fleetserve.distributed.parallel_state import SINGLE
         from fleetserve.engine.scheduler import Scheduler
@@ -250,7 +255,7 @@ def launch_schedulers(args: ServerArgs, input_endpoint: str, output_endpoint: st
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_scheduler_process, args=(args, input_endpoint, output_endpoint, writer),
-                       name="fleetserve-scheduler", daemon=True)
+                       kwargs={"parent_pid": os.getpid()}, name="fleetserve-scheduler", daemon=True)
     proc.start()
     writer.close()
     return [proc], [reader]

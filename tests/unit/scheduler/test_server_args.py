@@ -40,6 +40,7 @@ def test_defaults_match_dataclass():
     {"dtype": "int4"},
     {"nnodes": 2},
     {"max_running_requests": 0},
+    {"port": 99999},
 ])
 def test_impossible_combinations_raise(kwargs):
     with pytest.raises(ValueError):
