@@ -104,7 +104,14 @@ async def run_bench(args: argparse.Namespace) -> tuple[dict, list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.request_rate > 0:  # also rejects NaN
+        parser.error(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    if args.num_prompts < 1:
+        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     summary, results = asyncio.run(run_bench(args))
     report.print_table(summary)
     if args.output_json:

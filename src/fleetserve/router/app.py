@@ -11,7 +11,7 @@ Endpoints (as sglang-router):
   a request), ``GET /metrics`` (Prometheus).
 * ``POST /add_worker?url=``, ``POST /remove_worker?url=``, ``GET /list_workers``.
 
-Errors are OpenAI-style JSON ``{"error": {"message", "type", "code"}}``:
+Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``:
 400 malformed JSON, 413 body over ``--max-payload-size``, 503 no available
 worker, 502 every attempt failed without a worker response.
 

@@ -60,8 +60,9 @@ def json_response(obj, status: int = 200) -> Response:
 
 
 def json_error(status: int, message: str, err_type: str = "invalid_request_error") -> Response:
-    """An OpenAI-style JSON error: ``{"error": {"message", "type", "code"}}``."""
-    return Response(status, orjson.dumps({"error": {"message": message, "type": err_type, "code": status}}))
+    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}`` (code: the status)."""
+    return Response(status, orjson.dumps({"error": {"message": message, "type": err_type, "param": None,
+                                                    "code": status}}))
 
 
 class Request:

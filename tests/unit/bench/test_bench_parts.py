@@ -53,3 +53,14 @@ def test_summary_percentiles_and_failures():
     assert s["request_throughput"] == pytest.approx(10.0) and s["output_throughput"] == pytest.approx(50.0)
     assert s["cache_hit_rate"] == pytest.approx(0.5)
     assert s["per_worker"]["w1"]["hit_rate"] == 1.0 and s["per_worker"]["w0"]["hit_rate"] == 0.0
+
+
+@pytest.mark.parametrize("flags", [["--request-rate", "-1"], ["--request-rate", "0"], ["--request-rate", "nan"],
+                                   ["--num-prompts", "0"], ["--max-concurrency", "0"]])
+def test_bench_rejects_impossible_load_settings(flags, capsys):
+    from fleetserve.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--base-url", "http://127.0.0.1:9", "--workload", "random", *flags])
+    assert e.value.code == 2
+    assert flags[0] in capsys.readouterr().err
