@@ -87,7 +87,8 @@ class Engine:
             ``n == 1`` returns the dict itself.
 
         Raises:
-            ValueError: neither or both of ``prompt`` / ``input_ids``; bad sampling params.
+            ValueError: neither or both of ``prompt`` / ``input_ids``; an empty prompt; a token
+                id that is not an int in ``[0, vocab_size)``; bad sampling params.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -105,8 +106,15 @@ class Engine:
             sp_list = [SamplingParams.from_dict(d) for d in sampling_params]
         else:
             sp_list = [SamplingParams.from_dict(sampling_params) for _ in id_lists]
+        vocab = self.scheduler.vocab_size
+        for k, ids in enumerate(id_lists):
+            if not ids:
+                raise ValueError(f"prompt {k} is empty")
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {k}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
         for sp in sp_list:
-            sp.verify(self.scheduler.vocab_size)
+            sp.verify(vocab)
 
         reqs: list[TokenizedGenerateReq] = []
         for ids, sp in zip(id_lists, sp_list):

@@ -75,3 +75,12 @@ def test_bad_arguments_raise(engine):
         engine.generate("a", {"temperature": -1})
     with pytest.raises(ValueError):
         engine.generate(["a", "b"], [{}])
+
+
+@pytest.mark.parametrize("ids", [[], [1, 2.5], [1, True], [-1], [10**9]])
+def test_bad_token_ids_raise_and_engine_keeps_working(engine, ids):
+    with pytest.raises(ValueError, match="prompt 0"):
+        engine.generate(input_ids=[ids] if not ids else ids, sampling_params={"max_new_tokens": 1})
+    ok = engine.generate(input_ids=[1, 2, 3], sampling_params={"temperature": 0, "max_new_tokens": 2,
+                                                               "ignore_eos": True})
+    assert len(ok["output_ids"]) == 2
