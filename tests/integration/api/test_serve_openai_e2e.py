@@ -299,3 +299,17 @@ def test_chat_roles_parts_null_max_tokens_and_seed(client, http, model):
     b = client.completions.create(seed=7, **kw)
     assert a.usage.completion_tokens == b.usage.completion_tokens == 5
     assert a.choices[0].text == b.choices[0].text  # same seed, same sample
+
+
+def test_penalties_over_http_change_a_repetitive_continuation(client, http, model):
+    # A prompt SmolLM2 continues by repeating itself: strong penalties must change the
+    # greedy text, and the server must keep serving (penalties once crashed the scheduler).
+    prompt = "one two one two one two one two one two"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    pen = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                    frequency_penalty=2.0, presence_penalty=2.0,
+                                    extra_body={"repetition_penalty": 1.5})
+    assert pen.choices[0].finish_reason in ("length", "stop")
+    assert pen.choices[0].text != plain.choices[0].text
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    assert again.choices[0].text == plain.choices[0].text
