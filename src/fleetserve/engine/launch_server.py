@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import logging
 import os
 import shutil
@@ -44,46 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_tokenizer(path: str) -> Any:
-    """The model's tokenizer (with its chat template), from an HF directory or a GGUF file."""
-    try:
-        from fleetserve.models.tokenizer import load_tokenizer as _load
-    except ImportError:  # the models package has no loader: read it with transformers directly
-        from transformers import AutoTokenizer
-
-        if path.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-        return AutoTokenizer.from_pretrained(path)
-    return _load(path)
-
-
-def tokenizer_cache_dir(gguf_path: str) -> str:
-    """Where the tokenizer converted from ``gguf_path`` is kept (keyed by path, size and mtime).
-
-    Converting a GGUF's tokenizer takes transformers 10-40 s on these CPUs (it parses
-    every vocabulary string of the file); the saved ``tokenizer.json`` loads in about 1 s.
-    ``$FLEETSERVE_CACHE`` overrides the base directory (default ``~/.cache/fleetserve``).
-    """
-    st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
-    base = os.environ.get("FLEETSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fleetserve")
-    return os.path.join(base, "tokenizers", key)
-
-
-def save_tokenizer_cache(tokenizer: Any, cache_dir: str) -> None:
-    """Save ``tokenizer`` into ``cache_dir`` atomically (write a sibling, then rename); errors only log."""
-    tmp = None
-    try:
-        os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(cache_dir))
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, cache_dir)
-    except OSError as e:  # e.g. another server saved it first
-        logger.warning("could not cache the tokenizer in %s: %s", cache_dir, e)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def default_served_name(model_path: str) -> str:
     """``/x/SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct.Q4_1``; directories keep their name."""
     base = os.path.basename(model_path.rstrip("/"))
@@ -91,10 +50,19 @@ def default_served_name(model_path: str) -> str:
 
 
 def _start_schedulers(args: ServerArgs, input_ep: str, output_ep: str):
-    """Start the scheduler process(es); returns (processes, ready readers)."""
-    from fleetserve.engine import scheduler_process
+    """Start the scheduler process(es); returns (processes, ready readers).
 
-    return scheduler_process.launch_schedulers(args, input_ep, output_ep)
+    Several ranks (``world_size > 1``): one process per rank, each sending a
+    handshake, with a DP relay thread here (:mod:`fleetserve.distributed.rank_process`).
+    """
+    if args.world_size > 1:
+        from fleetserve.distributed.rank_process import launch_rank_schedulers
+
+        instance = launch_rank_schedulers(args, input_ep, output_ep)
+        return instance.procs, instance.readers
+    from fleetserve.engine.scheduler_process import launch_scheduler
+
+    return launch_scheduler(args, input_ep, output_ep)
 
 
 def _wait_ready(procs, readers, timeout: float) -> list[dict[str, Any]]:
@@ -164,15 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        tok_path = args.tokenizer_path or args.model_path
-        cache_dir = tokenizer_cache_dir(tok_path) if tok_path.endswith(".gguf") and os.path.isfile(tok_path) else None
-        cached = cache_dir is not None and os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json"))
-        if cached:  # both this process and the scheduler(s) read the converted tokenizer
-            args.tokenizer_path = tok_path = cache_dir
+        from fleetserve.models.tokenizer import load_tokenizer
+
         procs, readers = _start_schedulers(args, input_ep, output_ep)
-        tokenizer = load_tokenizer(tok_path)
-        if cache_dir is not None and not cached:
-            save_tokenizer_cache(tokenizer, cache_dir)
+        tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)  # GGUF: converted once, then cached
         infos = _wait_ready(procs, readers, ns.startup_timeout)
         first = infos[0]
         vocab = int(first.get("vocab_size") or len(tokenizer))

@@ -145,32 +145,12 @@ def _make_runner(args: ServerArgs, pstate: Any) -> Any:
 
 
 def load_tokenizer_for(args: ServerArgs) -> Any:
-    """The model's tokenizer (stop strings need it); ``None`` with ``--skip-tokenizer-init``.
-
-    A tokenizer converted from a GGUF file is read from (or saved to) the same
-    cache ``fleetserve serve`` uses (:func:`fleetserve.engine.launch_server.tokenizer_cache_dir`):
-    converting takes 10-40 s, the cached copy about 1 s.
-    """
+    """The model's tokenizer (stop strings need it); ``None`` with ``--skip-tokenizer-init``."""
     if args.skip_tokenizer_init:
         return None
-    path = args.tokenizer_path or args.model_path
-    if path is None:
-        from fleetserve.models.registry import default_model_path
+    from fleetserve.models.tokenizer import load_tokenizer
 
-        path = default_model_path()
-    from transformers import AutoTokenizer
-
-    if str(path).endswith(".gguf") and os.path.isfile(path):
-        from fleetserve.engine.launch_server import save_tokenizer_cache, tokenizer_cache_dir
-
-        cache_dir = tokenizer_cache_dir(path)
-        if os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json")):
-            return AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
-                                            local_files_only=True)
-        save_tokenizer_cache(tok, cache_dir)
-        return tok
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load_tokenizer(args.tokenizer_path or args.model_path)
 
 
 def dp_attention_hook(pstate: Any, device: str = "cpu"):
@@ -235,23 +215,13 @@ def run_scheduler_process(args: ServerArgs, input_endpoint: str, output_endpoint
     SchedulerLoop(scheduler, recv, send, dp_rank=dp_rank, always_step=hook is not None).run_forever()
 
 
-def launch_schedulers(args: ServerArgs, input_endpoint: str, output_endpoint: str):
-    """Start the scheduler process(es) of one instance.
+def launch_scheduler(args: ServerArgs, input_endpoint: str, output_endpoint: str):
+    """Start the scheduler process of a single-rank instance.
 
     Returns:
-        ``(processes, ready_readers)``: one ``multiprocessing`` connection per
-        process, each yielding the handshake dict described in the module docstring.
-
-    For several ranks (``args.world_size > 1``) this is
-    :func:`fleetserve.distributed.rank_process.launch_rank_schedulers`: one
-    process per rank (every rank sends a handshake), of which the first rank of
-    each DP rank talks to the sockets through a DP relay thread in this process.
+        ``([process], [ready_reader])``: the reader yields the handshake dict described
+        in the module docstring. (Several ranks: ``fleetserve.distributed.rank_process``.)
     """
-    if args.world_size > 1:  # one process per rank, a DP relay and a watchdog (issue 5)
-        from fleetserve.distributed.rank_process import launch_rank_schedulers
-
-        instance = launch_rank_schedulers(args, input_endpoint, output_endpoint)
-        return instance.procs, instance.readers
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_scheduler_process, args=(args, input_endpoint, output_endpoint, writer),

@@ -1,6 +1,7 @@
 import os
 
 from fleetserve.engine import launch_server
+from fleetserve.models import tokenizer
 
 
 def test_bad_flag_value_exits_2_without_starting(capsys):
@@ -24,16 +25,16 @@ def test_served_name_and_tokenizer_cache_key(tmp_path, monkeypatch):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x")
     monkeypatch.setenv("FLEETSERVE_CACHE", str(tmp_path / "cache"))
-    d1 = launch_server.tokenizer_cache_dir(str(f))
+    d1 = tokenizer.tokenizer_cache_dir(str(f))
     assert d1.startswith(str(tmp_path / "cache" / "tokenizers"))
     f.write_bytes(b"xy")  # a changed file gets a new key
-    assert launch_server.tokenizer_cache_dir(str(f)) != d1
+    assert tokenizer.tokenizer_cache_dir(str(f)) != d1
 
     class Tok:
         def save_pretrained(self, d):
             open(os.path.join(d, "tokenizer_config.json"), "w").write("{}")
 
-    launch_server.save_tokenizer_cache(Tok(), d1)
+    tokenizer.save_tokenizer_cache(Tok(), d1)
     assert os.path.isfile(os.path.join(d1, "tokenizer_config.json"))
-    launch_server.save_tokenizer_cache(Tok(), d1)  # second save: already there, logged, no leftovers
+    tokenizer.save_tokenizer_cache(Tok(), d1)  # second save: already there, logged, no leftovers
     assert [n for n in os.listdir(os.path.dirname(d1)) if n.startswith(".tmp-")] == []
