@@ -16,7 +16,7 @@ around the ``self.mlp(...)`` call in :meth:`DeepseekDecoderLayer.forward`).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,12 +25,13 @@ from fleetserve.distributed.dp_attention import gather_tokens, scatter_tokens
 from fleetserve.distributed.parallel_state import SINGLE, ParallelState
 from fleetserve.engine.kv_pool import MLAKVPool
 from fleetserve.layers.attention import AttentionMetadata
-from fleetserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, attn_tp_group, full_tp_group
+from fleetserve.layers.linear import attn_tp_group, full_tp_group
 from fleetserve.layers.mla import MLAttention
 from fleetserve.layers.mlp import GatedMLP
 from fleetserve.layers.moe import DeepseekMoE
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding, get_rope_parameters
+from fleetserve.models.decoder_lm import DecoderOnlyLM
 
 
 def is_moe_layer(config: Any, i: int) -> bool:
@@ -77,7 +78,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm.weight.copy_(source.read(f"{prefix}.post_attention_layernorm.weight"))
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(DecoderOnlyLM):
     """DeepSeek-V2 / V3 decoder (one class; the config selects the router).
 
     ``forward(input_ids [T], meta, pool) -> hidden [T, H]``;
@@ -89,22 +90,13 @@ class DeepseekForCausalLM(nn.Module):
     def __init__(self, config: Any, pstate: ParallelState = SINGLE, dtype: torch.dtype = torch.float32,
                  max_position: int | None = None):
         super().__init__()
-        self.config = config
-        self.pstate = pstate
-        self.dtype = dtype
-        H = config.hidden_size
-        tp = attn_tp_group(pstate)
         interleaved = getattr(config, "model_type", "") != "deepseek_v3" or bool(getattr(config, "rope_interleave", True))
-        self.rotary = RotaryEmbedding(config.qk_rope_head_dim, get_rope_parameters(config),
-                                      config.max_position_embeddings,
-                                      max_position=max_position or min(config.max_position_embeddings, 1 << 16),
-                                      interleaved=interleaved)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, H, tp, dtype)
-        self.layers = nn.ModuleList(
-            [DeepseekDecoderLayer(config, i, self.rotary, pstate, dtype) for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(H, config.rms_norm_eps, dtype)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, H, tp, dtype, tied_to=self.embed_tokens if tied else None)
+        rotary = RotaryEmbedding(config.qk_rope_head_dim, get_rope_parameters(config),
+                                 config.max_position_embeddings,
+                                 max_position=max_position or min(config.max_position_embeddings, 1 << 16),
+                                 interleaved=interleaved)
+        self.build_trunk(config, pstate, dtype, rotary,
+                         lambda i: DeepseekDecoderLayer(config, i, rotary, pstate, dtype))
 
     def kv_pool_kwargs(self) -> dict:
         """Arguments for :class:`MLAKVPool`: the whole latent on every rank."""
@@ -116,25 +108,5 @@ class DeepseekForCausalLM(nn.Module):
         elem = torch.tensor([], dtype=dtype).element_size()
         return len(self.layers) * (self.config.kv_lora_rank + self.config.qk_rope_head_dim) * elem
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: MLAKVPool) -> torch.Tensor:
-        self.rotary.prepare(meta.positions)
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, meta, pool)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def weight_loaders(self, source: Any) -> list[tuple[str, Callable[[], None]]]:
-        """``(label, fn)`` steps reading this rank's weights (local experts only)."""
-        steps: list[tuple[str, Callable[[], None]]] = [
-            ("embed_tokens", lambda: self.embed_tokens.load(source, "model.embed_tokens.weight")),
-            ("norm", lambda: self.norm.weight.copy_(source.read("model.norm.weight"))),
-        ]
-        if not self.lm_head.tied:
-            name = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
-            steps.append(("lm_head", lambda: self.lm_head.load(source, name)))
-        for i, layer in enumerate(self.layers):
-            steps.append((f"layer {i}", lambda i=i, layer=layer: layer.load(source, f"model.layers.{i}")))
-        return steps
+    def load_layer(self, source: Any, i: int, layer: "DeepseekDecoderLayer") -> None:
+        layer.load(source, f"model.layers.{i}")

@@ -9,7 +9,7 @@ which Llama does not use).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,10 +17,11 @@ from torch import nn
 from fleetserve.distributed.parallel_state import SINGLE, ParallelState
 from fleetserve.engine.kv_pool import MHAKVPool
 from fleetserve.layers.attention import AttentionMetadata, MHAttention
-from fleetserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, attn_tp_group, full_tp_group
+from fleetserve.layers.linear import attn_tp_group, full_tp_group
 from fleetserve.layers.mlp import GatedMLP
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding, get_rope_parameters
+from fleetserve.models.decoder_lm import DecoderOnlyLM
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -43,7 +44,7 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderOnlyLM):
     """The Llama decoder.
 
     Args:
@@ -59,20 +60,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, pstate: ParallelState = SINGLE, dtype: torch.dtype = torch.float32,
                  max_position: int | None = None):
         super().__init__()
-        self.config = config
-        self.pstate = pstate
-        self.dtype = dtype
-        h = config.hidden_size
-        self.head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-        tp = attn_tp_group(pstate)
-        self.rotary = RotaryEmbedding(self.head_dim, get_rope_parameters(config), config.max_position_embeddings,
-                                      max_position=max_position or config.max_position_embeddings)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp, dtype)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, i, self.rotary, pstate, dtype) for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(h, config.rms_norm_eps, dtype)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, h, tp, dtype, tied_to=self.embed_tokens if tied else None)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(self.head_dim, get_rope_parameters(config), config.max_position_embeddings,
+                                 max_position=max_position or config.max_position_embeddings)
+        self.build_trunk(config, pstate, dtype, rotary,
+                         lambda i: LlamaDecoderLayer(config, i, rotary, pstate, dtype))
 
     # ---- KV pool ---------------------------------------------------------------------------
     def kv_pool_kwargs(self) -> dict:
@@ -88,32 +80,8 @@ class LlamaForCausalLM(nn.Module):
         elem = torch.tensor([], dtype=dtype).element_size()
         return kw["num_layers"] * kw["num_kv_heads"] * 2 * kw["head_dim"] * elem
 
-    # ---- forward ---------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: MHAKVPool) -> torch.Tensor:
-        self.rotary.prepare(meta.positions)
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, meta, pool)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     # ---- weights ---------------------------------------------------------------------------
-    def weight_loaders(self, source: Any) -> list[tuple[str, Callable[[], None]]]:
-        """``(label, fn)`` steps that read this rank's weights from ``source``."""
-        steps: list[tuple[str, Callable[[], None]]] = [
-            ("embed_tokens", lambda: self.embed_tokens.load(source, "model.embed_tokens.weight")),
-            ("norm", lambda: self.norm.weight.copy_(source.read("model.norm.weight"))),
-        ]
-        if not self.lm_head.tied:
-            name = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
-            steps.append(("lm_head", lambda: self.lm_head.load(source, name)))
-        for i, layer in enumerate(self.layers):
-            steps.append((f"layer {i}", lambda i=i, layer=layer: self._load_layer(source, i, layer)))
-        return steps
-
-    def _load_layer(self, source: Any, i: int, layer: LlamaDecoderLayer) -> None:
+    def load_layer(self, source: Any, i: int, layer: LlamaDecoderLayer) -> None:
         p = f"model.layers.{i}"
         attn = layer.self_attn
         has_bias = attn.qkv_proj.bias is not None
