@@ -89,18 +89,10 @@ def save_byte_tokenizer(out_dir: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
-    table = {}
     # ByteLevel maps byte b to a printable character; order the vocab by byte value.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    for b, c in zip(bs, cs):
-        table[chr(c)] = b
+    from fleetserve.engine.tokenizer_manager import byte_decoder
+
+    table = byte_decoder()
     assert set(table) == set(byte_chars)
     specials = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
     vocab = dict(table)

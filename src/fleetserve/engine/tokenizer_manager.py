@@ -430,7 +430,7 @@ class TokenizerManager:
         conv = getattr(self.tokenizer, "convert_ids_to_tokens", None)
         tok = conv(token_id) if conv else None
         if isinstance(tok, str):
-            decoder = _byte_decoder()
+            decoder = byte_decoder()
             if all(ch in decoder for ch in tok):
                 return [decoder[ch] for ch in tok]
         return list(self.token_text(token_id).encode("utf-8"))
@@ -520,7 +520,7 @@ class TokenizerManager:
 _BYTE_DECODER: dict[str, int] | None = None
 
 
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """GPT-2 byte-level BPE: printable stand-in character -> byte (the inverse of its byte map)."""
     global _BYTE_DECODER
     if _BYTE_DECODER is None:

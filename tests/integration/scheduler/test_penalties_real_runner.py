@@ -12,6 +12,7 @@ from fleetserve.engine.args import ServerArgs
 from fleetserve.engine.io_struct import TokenizedGenerateReq
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.scheduler import Scheduler
+from helpers.scheduler_driver import run_to_completion
 
 PROMPT = [5, 17, 23, 5, 17, 99, 42, 8, 5]
 NEW = 24
@@ -22,12 +23,7 @@ def _generate(path, sp, prompt=PROMPT):
 
     runner = ModelRunner(path, dtype="float32", max_total_tokens=256, show_progress=False)
     sched = Scheduler(ServerArgs(random_seed=0), runner, check_invariants=True)
-    sched.add_request(TokenizedGenerateReq("p", list(prompt), sp))
-    out = []
-    while sched.has_work():
-        for o in sched.step():
-            out.extend(o.new_token_ids)
-    return out
+    return run_to_completion(sched, [TokenizedGenerateReq("p", list(prompt), sp)])["p"][0]
 
 
 def test_repetition_penalty_matches_transformers(tiny_llama_dir):

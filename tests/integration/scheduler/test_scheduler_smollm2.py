@@ -6,6 +6,7 @@ import pytest
 from fleetserve.engine.engine import Engine
 from fleetserve.engine.io_struct import TokenizedGenerateReq
 from fleetserve.engine.sampling_params import SamplingParams
+from helpers.scheduler_driver import run_to_completion as run
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, and never invent facts. "
           "The following question is about geography and history of European countries.")
@@ -17,17 +18,6 @@ QUESTIONS = [" Which river flows through Paris?", " Name a mountain range in Spa
 
 def greedy(n):
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def run(sched, reqs):
-    toks, last = {}, {}
-    for r in reqs:
-        sched.add_request(r)
-    while sched.has_work():
-        for o in sched.step():
-            toks.setdefault(o.rid, []).extend(o.new_token_ids)
-            last[o.rid] = o
-    return {rid: (toks[rid], last[rid]) for rid in last}
 
 
 def test_radix_cache_on_off_same_tokens_exact_reuse(smol, smol_sched):

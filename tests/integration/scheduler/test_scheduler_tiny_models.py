@@ -9,17 +9,7 @@ from fleetserve.engine.args import ServerArgs
 from fleetserve.engine.io_struct import TokenizedGenerateReq
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.scheduler import Scheduler
-
-
-def run(sched, reqs):
-    toks, last = {}, {}
-    for r in reqs:
-        sched.add_request(r)
-    while sched.has_work():
-        for o in sched.step():
-            toks.setdefault(o.rid, []).extend(o.new_token_ids)
-            last[o.rid] = o
-    return {rid: (toks[rid], last[rid]) for rid in last}
+from helpers.scheduler_driver import run_to_completion as run
 
 
 @pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_deepseek_v2_dir", "tiny_deepseek_v3_dir"])
