@@ -32,9 +32,9 @@ def liveness_refs(tiny_deepseek_v3_dir):
 
 
 @pytest.mark.parametrize("backend", ["allgather", "all_to_all"])
-def test_idle_rank_mixed_modes_abort_and_wake_up(engine_pool2, tiny_deepseek_v3_dir, liveness_refs, backend):
+def test_idle_rank_mixed_modes_abort_and_wake_up(pool2, tiny_deepseek_v3_dir, liveness_refs, backend):
     sizes = dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2, moe_a2a_backend=backend)
-    r0, r1 = engine_pool2.run(JOBS, "scenario_job", tiny_deepseek_v3_dir, sizes, PLAN, timeout=120)
+    r0, r1 = pool2.run(JOBS, "scenario_job", tiny_deepseek_v3_dir, sizes, PLAN, timeout=120)
     # Correct tokens (checked against transformers for the first 12 of each).
     for out, names in ((r0, "AD"), (r1, "BE")):
         for n in names:
@@ -57,7 +57,7 @@ def test_idle_rank_mixed_modes_abort_and_wake_up(engine_pool2, tiny_deepseek_v3_
     assert r0["kv_used_end"] == 0 and r1["kv_used_end"] == 0
 
 
-def test_dp_attention_holds_dp_size_times_the_tokens_of_tp(engine_pool2, tiny_deepseek_v3_dir):
+def test_dp_attention_holds_dp_size_times_the_tokens_of_tp(pool2, tiny_deepseek_v3_dir):
     """Same KV memory per rank: TP mirrors the whole MLA latent on both ranks, DP attention
     gives each rank its own requests, so the instance holds twice the tokens."""
     import json
@@ -68,7 +68,7 @@ def test_dp_attention_holds_dp_size_times_the_tokens_of_tp(engine_pool2, tiny_de
     prompts = [[256] + [(13 * i + j) % 250 for j in range(59)] for i in range(4)]  # 4 x (60 + 4) tokens
     results = {}
     for name, sizes in (("tp2", dict(tp_size=2)), ("dp2_attn", dict(tp_size=2, dp_size=2, enable_dp_attention=True))):
-        per_rank = engine_pool2.run(JOBS, "capacity_job", tiny_deepseek_v3_dir, sizes, budget // bytes_per_token,
+        per_rank = pool2.run(JOBS, "capacity_job", tiny_deepseek_v3_dir, sizes, budget // bytes_per_token,
                                     prompts, 4, timeout=120)
         for r in per_rank:
             assert r["kv_bytes_per_token"] == bytes_per_token       # the whole latent on every rank

@@ -90,15 +90,15 @@ def _check_layout(pool, name, model, sizes, refs):
 
 
 @pytest.mark.parametrize("layout", sorted(V3_LAYOUTS))
-def test_two_rank_layouts_deepseek_v3(engine_pool2, refs, layout):
-    _check_layout(engine_pool2, layout, "v3", V3_LAYOUTS[layout], refs)
+def test_two_rank_layouts_deepseek_v3(pool2, refs, layout):
+    _check_layout(pool2, layout, "v3", V3_LAYOUTS[layout], refs)
 
 
 @pytest.mark.parametrize("layout", sorted(V2_LAYOUTS))
-def test_two_rank_layouts_deepseek_v2(engine_pool2, refs, layout):
-    _check_layout(engine_pool2, layout, "v2", V2_LAYOUTS[layout], refs)
+def test_two_rank_layouts_deepseek_v2(pool2, refs, layout):
+    _check_layout(pool2, layout, "v2", V2_LAYOUTS[layout], refs)
 
 
 @pytest.mark.parametrize("layout", sorted(FOUR_RANK_LAYOUTS))
-def test_four_rank_layouts_deepseek_v3(engine_pool4, refs, layout):
-    _check_layout(engine_pool4, layout, "v3", FOUR_RANK_LAYOUTS[layout], refs)
+def test_four_rank_layouts_deepseek_v3(pool4, refs, layout):
+    _check_layout(pool4, layout, "v3", FOUR_RANK_LAYOUTS[layout], refs)
