@@ -178,6 +178,15 @@ def usage_of(prompt_counts: list[int], cached_counts: list[int], completion: int
     )
 
 
+def stream_usage(last: dict[int, Any], n: int) -> P.UsageInfo:
+    """Usage for a stream's final chunk from each choice's last output (choice ``i`` is
+    sample ``i % n`` of prompt ``i // n``): prompts and cached tokens counted once per
+    prompt, completion tokens summed over every choice."""
+    completion = sum(o.completion_tokens for o in last.values())
+    firsts = [last[i] for i in sorted(last) if i % n == 0]
+    return usage_of([o.prompt_tokens for o in firsts], [o.cached_tokens for o in firsts], completion)
+
+
 def sampling_fields(req: P._SamplingFields) -> dict[str, Any]:
     """OpenAI request fields -> SamplingParams names (None means "use the default")."""
     stop = req.stop
@@ -542,10 +551,8 @@ def create_app(
                                        matched_stop=out.matched_stop if out.finished else None)])
                 yield sse(chunk)
             if include_usage:
-                completion = sum(o.completion_tokens for o in last.values())
-                firsts = [last[i] for i in sorted(last) if i % n == 0]
-                usage = usage_of([o.prompt_tokens for o in firsts], [o.cached_tokens for o in firsts], completion)
-                yield sse(P.CompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=usage))
+                yield sse(P.CompletionChunk(id=rid, created=created, model=model_name, choices=[],
+                                            usage=stream_usage(last, n)))
             yield SSE_DONE
         finally:
             for s in streams:
@@ -646,11 +653,8 @@ def create_app(
                     yield sse(P.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[
                         P.ChatChunkChoice(index=i, delta=P.DeltaMessage(), finish_reason=out.finish_reason)]))
             if include_usage:
-                completion = sum(o.completion_tokens for o in last.values())
-                first = last.get(0)
-                usage = usage_of([first.prompt_tokens if first else 0], [first.cached_tokens if first else 0],
-                                 completion)
-                yield sse(P.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=usage))
+                yield sse(P.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
+                                                usage=stream_usage(last, req.n)))
             yield SSE_DONE
         finally:
             for s in streams:
