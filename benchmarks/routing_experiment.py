@@ -183,12 +183,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def routers(sweep: bool) -> list[tuple[str, str, list[str]]]:
-    """(label, kind, flags). Both cache_aware routers get the same (sgl-router default) thresholds."""
+def routers(sweep: bool, bounded: tuple[float, ...] = ()) -> list[tuple[str, str, list[str]]]:
+    """(label, kind, flags). Both cache_aware routers get the same (sgl-router default) thresholds;
+    ``bounded`` adds one row per ``--bounded-load-factor`` of ours."""
     same = ["--cache-threshold", "0.3", "--balance-abs-threshold", "64", "--balance-rel-threshold", "1.5"]
     out = [("round_robin", "ours", ["--policy", "round_robin"]),
            ("cache_aware (ours)", "ours", ["--policy", "cache_aware", *same]),
            ("cache_aware (sglang-router 0.3.2)", "sglang", ["--policy", "cache_aware", *same])]
+    for c in bounded:
+        out.append((f"ours, bounded load {c:g}", "ours",
+                    ["--policy", "cache_aware", "--cache-threshold", "0.3", "--bounded-load-factor", str(c)]))
     if sweep:
         for ct in ("0.1",):
             out.append((f"ours, cache_threshold={ct}", "ours",
@@ -257,7 +261,7 @@ def sim_part(a: argparse.Namespace) -> None:
                 rows: list[dict] = []
                 all_rows[f"{n}-{wname}"] = rows
                 sections.append((n, wname, rate, scale, rows))
-                for label, kind, flags in routers(sweep):
+                for label, kind, flags in routers(sweep, tuple(a.bounded_load)):
                     rows.append(run_one(label, kind, flags, urls, bench_argv, 36900, a.peer_python, logdir))
                     RESULTS.mkdir(exist_ok=True)
                     (RESULTS / f"{a.section}.json").write_text(json.dumps(all_rows, indent=1))
@@ -290,7 +294,7 @@ def engine_part(a: argparse.Namespace) -> None:
             bench_argv = [*workloads[wname], "--seed", "0", "--request-rate", str(a.rate), "--model", a.model]
             print(f"== engine: {a.instances} instances, {wname}, {a.rate} req/s", flush=True)
             rows = [run_one(label, kind, flags, urls, bench_argv, 36900, a.peer_python, logdir)
-                    for label, kind, flags in routers(False)]
+                    for label, kind, flags in routers(False, tuple(a.bounded_load))]
             all_rows[wname] = rows
             sections.append((wname, rows))
             RESULTS.mkdir(exist_ok=True)
@@ -346,6 +350,8 @@ def main() -> None:
         q.add_argument("--peer-python", default="/tmp/peers/bin/python")
         q.add_argument("--log-dir", default="/tmp/routing_experiment")
         q.add_argument("--no-doc", action="store_true")
+        q.add_argument("--bounded-load", type=float, nargs="*", default=[],
+                       help="also run our cache_aware with each of these --bounded-load-factor values")
     a = p.parse_args()
     a.argv = sys.argv[2:]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop workers, router

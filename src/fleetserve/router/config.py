@@ -9,6 +9,9 @@ works with either router.  Differences, all documented in docs/router.md:
 * ``--worker-startup-check-interval`` defaults to 1 s (sglang-router: 30 s).
 * ``--cache-miss-fallback`` is ours: ``least_loaded`` (default) or
   ``smallest_tree`` (the older sglang-router behaviour on a cache miss).
+* ``--bounded-load-factor`` is ours: 0 (default, sglang-router's thresholds)
+  or ``c >= 1`` for cache-aware routing under a bounded-load cap (see
+  :class:`fleetserve.router.policies.CacheAwarePolicy`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class RouterConfig:
     eviction_interval_secs: float = 60.0
     max_tree_size: int = 2**26  # characters, summed over workers
     cache_miss_fallback: str = "least_loaded"
+    bounded_load_factor: float = 0.0
     max_payload_size: int = 512 * 1024 * 1024  # bytes
     request_timeout_secs: float = 1800.0
     shutdown_grace_period_secs: float = 180.0
@@ -66,6 +70,8 @@ class RouterConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {POLICIES}")
         if self.cache_miss_fallback not in CACHE_MISS_FALLBACKS:
             raise ValueError(f"unknown cache miss fallback {self.cache_miss_fallback!r}")
+        if self.bounded_load_factor != 0.0 and not self.bounded_load_factor >= 1.0:
+            raise ValueError("--bounded-load-factor must be 0 (off) or >= 1")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError("--cache-threshold must be in [0, 1]")
         if self.max_tree_size < 0 or self.max_payload_size <= 0:
@@ -115,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache_aware: characters kept in the tree, summed over all workers")
     g.add_argument("--cache-miss-fallback", choices=CACHE_MISS_FALLBACKS, default=d.cache_miss_fallback,
                    help="cache_aware: where a cache miss goes")
+    g.add_argument("--bounded-load-factor", type=float, default=d.bounded_load_factor,
+                   help="cache_aware: 0 = sglang-router's balance thresholds; c >= 1 = only workers whose load "
+                        "stays within c x the average are candidates (replaces the thresholds)")
     g.add_argument("--max-payload-size", type=int, default=d.max_payload_size, help="largest request body, bytes")
     g.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_secs,
                    help="upper bound on one upstream request")

@@ -188,6 +188,31 @@ class RadixTree:
             break
         return pos
 
+    def match_per_tenant(self, text: str) -> dict[str, int]:
+        """Characters of ``text``'s prefix held by each tenant that holds any of it.
+
+        One walk down ``text``'s path: a tenant's match ends at the deepest node
+        on the path it still holds (a child's tenants are a subset of its
+        parent's). Cost: path length x tenants per node.
+        """
+        node = self._root
+        pos = 0
+        n = len(text)
+        out: dict[str, int] = {}
+        while pos < n:
+            child = node.children.get(text[pos])
+            if child is None:
+                break
+            edge = child.text
+            full = text.startswith(edge, pos)
+            pos += len(edge) if full else _common_prefix_len(text, pos, edge)
+            for t in child.tenants:
+                out[t] = pos
+            if not full:
+                break
+            node = child
+        return out
+
     # ---------------------------------------------------------------- removal
     def _drop(self, node: _Node, tenant: str) -> None:
         """Remove ``tenant`` from ``node`` (a tenant leaf) and unlink the node if nobody holds it."""

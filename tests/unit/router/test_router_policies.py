@@ -130,3 +130,64 @@ def test_make_policy_reads_config():
     assert (p.cache_threshold, p.abs_threshold, p.rel_threshold, p.smallest_tree) == (0.7, 3, 2.0, True)
     with pytest.raises(ValueError):
         make_policy("fastest", cfg)
+
+
+# ---------------------------------------------------------------- bounded load
+def test_bounded_load_keeps_the_owner_while_it_is_under_the_cap():
+    # loads 3, 2, 1: total 6, cap = ceil(1.5 * 7 / 3) = 4; owner w0 would reach 4 <= 4
+    p = CacheAwarePolicy(bounded_load_factor=1.5)
+    ws = workers(3, 2, 1)
+    p.tree.insert("system prompt of group one", "http://w0")
+    assert p.select(ws, "system prompt of group one, question").url == "http://w0"
+    assert (p.hits, p.misses, p.balanced) == (1, 0, 0)
+
+
+def test_bounded_load_spills_a_hot_prefix_to_the_next_best_match():
+    # loads 5, 1, 0: total 6, cap = ceil(1.25 * 7 / 3) = 3; w0 (the full owner) is over it.
+    # w1 holds 14 of the prompt's chars, w2 none: w1 is the best candidate under the cap.
+    p = CacheAwarePolicy(cache_threshold=0.3, bounded_load_factor=1.25)
+    ws = workers(5, 1, 0)
+    text = "system prompt of group one, question"
+    p.tree.insert(text, "http://w0")
+    p.tree.insert("system prompt ", "http://w1")
+    assert p.tree.match_per_tenant(text) == {"http://w0": len(text), "http://w1": 14}
+    assert p.select(ws, text).url == "http://w1"  # 14/36 = 0.39 > 0.3: a hit on w1
+    assert (p.hits, p.balanced) == (1, 1)
+    # the text is now under w1 too: the next request of the group matches w1 fully
+    assert p.tree.prefix_match_tenant(text, "http://w1") == len(text)
+
+
+def test_bounded_load_miss_goes_to_least_loaded_candidate():
+    # the only owner is over the cap and nobody else matches enough: a miss among candidates
+    p = CacheAwarePolicy(bounded_load_factor=1.0)
+    ws = workers(4, 2, 2)
+    p.tree.insert("abcdefgh", "http://w0")
+    # total 8, cap = ceil(9 / 3) = 3: w0 (4 + 1 > 3) is out; w1, w2 tie at 2 -> smaller tree (both 0) -> w1
+    assert p.select(ws, "abcdefgh").url == "http://w1"
+    assert (p.hits, p.misses, p.balanced) == (0, 1, 1)
+
+
+def test_bounded_load_never_lets_a_worker_exceed_the_cap():
+    # a single hot prefix and 200 arrivals with no completions: loads stay within the bound at every step
+    import math
+
+    c = 1.25
+    p = CacheAwarePolicy(bounded_load_factor=c)
+    ws = workers(0, 0, 0, 0)
+    for i in range(200):
+        total = sum(w.load for w in ws)
+        cap = math.ceil(c * (total + 1) / len(ws))
+        w = p.select(ws, f"one shared system prompt for everyone; question {i}")
+        w.load += 1
+        assert w.load <= cap
+    assert max(w.load for w in ws) <= math.ceil(c * 200 / 4)
+    assert min(w.load for w in ws) > 0  # the hot prefix spilled over every worker
+
+
+def test_bounded_load_factor_below_one_is_rejected():
+    with pytest.raises(ValueError):
+        CacheAwarePolicy(bounded_load_factor=0.5)
+    with pytest.raises(ValueError):
+        RouterConfig(bounded_load_factor=0.9).validate()
+    p = make_policy("cache_aware", RouterConfig(bounded_load_factor=1.25))
+    assert p.bounded_load_factor == 1.25

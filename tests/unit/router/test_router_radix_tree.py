@@ -63,7 +63,8 @@ class NaiveTree:
 # Text over a small alphabet (so prefixes collide) mixing ASCII, CJK and emoji code points.
 ALPHABET = st.sampled_from(list("ab") + ["中", "文", "😀", "👍"])
 TEXT = st.lists(ALPHABET, min_size=0, max_size=9).map("".join)
-TENANT = st.sampled_from(["w0", "w1", "w2"])
+TENANTS = ("w0", "w1", "w2")
+TENANT = st.sampled_from(TENANTS)
 OP = st.one_of(
     st.tuples(st.just("insert"), TEXT, TENANT),
     st.tuples(st.just("match"), TEXT, TENANT),
@@ -96,6 +97,10 @@ def test_tree_matches_naive_reference(ops):
             assert matched == want_n
             assert set(owners) == want_owners
             assert tree.prefix_match_tenant(arg, tenant) == ref.match_tenant(arg, tenant)
+            per = tree.match_per_tenant(arg)
+            for t in TENANTS:
+                assert per.get(t, 0) == ref.match_tenant(arg, t)
+            assert all(v > 0 for v in per.values())
             n, best = tree.prefix_match(arg)
             assert n == want_n and (best in want_owners if want_owners else best is None)
         elif kind == "evict":
