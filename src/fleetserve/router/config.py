@@ -38,6 +38,7 @@ class RouterConfig:
     max_tree_size: int = 2**26  # characters, summed over workers
     cache_miss_fallback: str = "least_loaded"
     bounded_load_factor: float = 0.0
+    bounded_load_slack: int = 4
     max_payload_size: int = 512 * 1024 * 1024  # bytes
     request_timeout_secs: float = 1800.0
     shutdown_grace_period_secs: float = 180.0
@@ -72,6 +73,8 @@ class RouterConfig:
             raise ValueError(f"unknown cache miss fallback {self.cache_miss_fallback!r}")
         if self.bounded_load_factor != 0.0 and not self.bounded_load_factor >= 1.0:
             raise ValueError("--bounded-load-factor must be 0 (off) or >= 1")
+        if self.bounded_load_slack < 0:
+            raise ValueError("--bounded-load-slack must be >= 0")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError("--cache-threshold must be in [0, 1]")
         if self.max_tree_size < 0 or self.max_payload_size <= 0:
@@ -123,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache_aware: where a cache miss goes")
     g.add_argument("--bounded-load-factor", type=float, default=d.bounded_load_factor,
                    help="cache_aware: 0 = sglang-router's balance thresholds; c >= 1 = only workers whose load "
-                        "stays within c x the average are candidates (replaces the thresholds)")
+                        "stays within c x the average (+ the slack) are candidates (replaces the thresholds)")
+    g.add_argument("--bounded-load-slack", type=int, default=d.bounded_load_slack,
+                   help="cache_aware with --bounded-load-factor: requests allowed above the cap")
     g.add_argument("--max-payload-size", type=int, default=d.max_payload_size, help="largest request body, bytes")
     g.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_secs,
                    help="upper bound on one upstream request")

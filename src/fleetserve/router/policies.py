@@ -50,40 +50,6 @@ class RoundRobinPolicy:
         self._next = i + 1
         return workers[i]
 
-    def _select_bounded(self, workers: list[Worker], text: str) -> Worker:
-        """Steps 2-3 among the workers under the bounded-load capacity (see the class doc)."""
-        tree = self.tree
-        loads = [w.load for w in workers]
-        cap = math.ceil(self.bounded_load_factor * (sum(loads) + 1) / len(workers))
-        cands = [w for w, load in zip(workers, loads) if load + 1 <= cap]
-        chosen = None
-        if text:
-            per = tree.match_per_tenant(text)
-            if per:
-                best_all = max(per.values())
-                best, best_key = None, None
-                for w in cands:
-                    m = per.get(w.url, 0)
-                    key = (m, -w.load)
-                    if best_key is None or key > best_key:
-                        best, best_key = w, key
-                if best_all / len(text) > self.cache_threshold and not any(
-                        per.get(w.url, 0) == best_all for w in cands):
-                    self.balanced += 1  # the best-matching worker is over the bound
-                if best is not None and best_key[0] / len(text) > self.cache_threshold:
-                    self.hits += 1
-                    chosen = best
-        if chosen is None:
-            self.misses += 1
-            if self.smallest_tree:
-                size = tree.tenant_size
-                chosen = min(cands, key=lambda w: size(w.url))
-            else:
-                chosen = least_loaded(cands, tree)
-        if text:
-            tree.insert(text, chosen.url)
-        return chosen
-
     def on_worker_removed(self, url: str) -> None:
         pass
 
@@ -96,40 +62,6 @@ class RandomPolicy:
 
     def select(self, workers: list[Worker], text: str) -> Worker | None:
         return self._rng.choice(workers) if workers else None
-
-    def _select_bounded(self, workers: list[Worker], text: str) -> Worker:
-        """Steps 2-3 among the workers under the bounded-load capacity (see the class doc)."""
-        tree = self.tree
-        loads = [w.load for w in workers]
-        cap = math.ceil(self.bounded_load_factor * (sum(loads) + 1) / len(workers))
-        cands = [w for w, load in zip(workers, loads) if load + 1 <= cap]
-        chosen = None
-        if text:
-            per = tree.match_per_tenant(text)
-            if per:
-                best_all = max(per.values())
-                best, best_key = None, None
-                for w in cands:
-                    m = per.get(w.url, 0)
-                    key = (m, -w.load)
-                    if best_key is None or key > best_key:
-                        best, best_key = w, key
-                if best_all / len(text) > self.cache_threshold and not any(
-                        per.get(w.url, 0) == best_all for w in cands):
-                    self.balanced += 1  # the best-matching worker is over the bound
-                if best is not None and best_key[0] / len(text) > self.cache_threshold:
-                    self.hits += 1
-                    chosen = best
-        if chosen is None:
-            self.misses += 1
-            if self.smallest_tree:
-                size = tree.tenant_size
-                chosen = min(cands, key=lambda w: size(w.url))
-            else:
-                chosen = least_loaded(cands, tree)
-        if text:
-            tree.insert(text, chosen.url)
-        return chosen
 
     def on_worker_removed(self, url: str) -> None:
         pass
@@ -148,40 +80,6 @@ class PowerOfTwoPolicy:
             return workers[0]
         a, b = self._rng.sample(workers, 2)
         return b if b.load < a.load else a
-
-    def _select_bounded(self, workers: list[Worker], text: str) -> Worker:
-        """Steps 2-3 among the workers under the bounded-load capacity (see the class doc)."""
-        tree = self.tree
-        loads = [w.load for w in workers]
-        cap = math.ceil(self.bounded_load_factor * (sum(loads) + 1) / len(workers))
-        cands = [w for w, load in zip(workers, loads) if load + 1 <= cap]
-        chosen = None
-        if text:
-            per = tree.match_per_tenant(text)
-            if per:
-                best_all = max(per.values())
-                best, best_key = None, None
-                for w in cands:
-                    m = per.get(w.url, 0)
-                    key = (m, -w.load)
-                    if best_key is None or key > best_key:
-                        best, best_key = w, key
-                if best_all / len(text) > self.cache_threshold and not any(
-                        per.get(w.url, 0) == best_all for w in cands):
-                    self.balanced += 1  # the best-matching worker is over the bound
-                if best is not None and best_key[0] / len(text) > self.cache_threshold:
-                    self.hits += 1
-                    chosen = best
-        if chosen is None:
-            self.misses += 1
-            if self.smallest_tree:
-                size = tree.tenant_size
-                chosen = min(cands, key=lambda w: size(w.url))
-            else:
-                chosen = least_loaded(cands, tree)
-        if text:
-            tree.insert(text, chosen.url)
-        return chosen
 
     def on_worker_removed(self, url: str) -> None:
         pass
@@ -208,7 +106,9 @@ class CacheAwarePolicy:
     ``bounded_load_factor = c > 0`` (ours; off by default) replaces step 1 with
     the bound of consistent hashing with bounded loads (Mirrokni, Thorup and
     Zadimoghaddam, SODA 2018): only workers whose load would stay within
-    ``ceil(c * (total_load + 1) / n)`` are candidates, steps 2 and 3 pick among
+    ``ceil(c * (total_load + 1) / n) + bounded_load_slack`` are candidates (the
+    slack, ours, keeps the usual jitter of a lightly loaded fleet from moving
+    requests off their cache), steps 2 and 3 pick among
     them, and step 2 takes the candidate with the longest match (ties: least
     loaded).  A hot prefix then spills to a second worker as soon as its owner
     is ``c`` times busier than the average, instead of waiting for the absolute
@@ -220,10 +120,14 @@ class CacheAwarePolicy:
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, cache_miss_fallback: str = "least_loaded",
-                 tree: RadixTree | None = None, bounded_load_factor: float = 0.0) -> None:
+                 tree: RadixTree | None = None, bounded_load_factor: float = 0.0,
+                 bounded_load_slack: int = 4) -> None:
         if bounded_load_factor and bounded_load_factor < 1.0:
             raise ValueError("bounded_load_factor must be 0 (off) or >= 1")
+        if bounded_load_slack < 0:
+            raise ValueError("bounded_load_slack must be >= 0")
         self.bounded_load_factor = bounded_load_factor
+        self.bounded_load_slack = bounded_load_slack
         self.cache_threshold = cache_threshold
         self.abs_threshold = balance_abs_threshold
         self.rel_threshold = balance_rel_threshold
@@ -281,7 +185,7 @@ class CacheAwarePolicy:
         """Steps 2-3 among the workers under the bounded-load capacity (see the class doc)."""
         tree = self.tree
         loads = [w.load for w in workers]
-        cap = math.ceil(self.bounded_load_factor * (sum(loads) + 1) / len(workers))
+        cap = math.ceil(self.bounded_load_factor * (sum(loads) + 1) / len(workers)) + self.bounded_load_slack
         cands = [w for w, load in zip(workers, loads) if load + 1 <= cap]
         chosen = None
         if text:
@@ -327,5 +231,6 @@ def make_policy(name: str, cfg=None):
         if cfg is None:
             return CacheAwarePolicy()
         return CacheAwarePolicy(cfg.cache_threshold, cfg.balance_abs_threshold, cfg.balance_rel_threshold,
-                                cfg.cache_miss_fallback, bounded_load_factor=cfg.bounded_load_factor)
+                                cfg.cache_miss_fallback, bounded_load_factor=cfg.bounded_load_factor,
+                                bounded_load_slack=cfg.bounded_load_slack)
     raise ValueError(f"unknown policy {name!r}")

@@ -135,7 +135,7 @@ def test_make_policy_reads_config():
 # ---------------------------------------------------------------- bounded load
 def test_bounded_load_keeps_the_owner_while_it_is_under_the_cap():
     # loads 3, 2, 1: total 6, cap = ceil(1.5 * 7 / 3) = 4; owner w0 would reach 4 <= 4
-    p = CacheAwarePolicy(bounded_load_factor=1.5)
+    p = CacheAwarePolicy(bounded_load_factor=1.5, bounded_load_slack=0)
     ws = workers(3, 2, 1)
     p.tree.insert("system prompt of group one", "http://w0")
     assert p.select(ws, "system prompt of group one, question").url == "http://w0"
@@ -145,7 +145,7 @@ def test_bounded_load_keeps_the_owner_while_it_is_under_the_cap():
 def test_bounded_load_spills_a_hot_prefix_to_the_next_best_match():
     # loads 5, 1, 0: total 6, cap = ceil(1.25 * 7 / 3) = 3; w0 (the full owner) is over it.
     # w1 holds 14 of the prompt's chars, w2 none: w1 is the best candidate under the cap.
-    p = CacheAwarePolicy(cache_threshold=0.3, bounded_load_factor=1.25)
+    p = CacheAwarePolicy(cache_threshold=0.3, bounded_load_factor=1.25, bounded_load_slack=0)
     ws = workers(5, 1, 0)
     text = "system prompt of group one, question"
     p.tree.insert(text, "http://w0")
@@ -159,7 +159,7 @@ def test_bounded_load_spills_a_hot_prefix_to_the_next_best_match():
 
 def test_bounded_load_miss_goes_to_least_loaded_candidate():
     # the only owner is over the cap and nobody else matches enough: a miss among candidates
-    p = CacheAwarePolicy(bounded_load_factor=1.0)
+    p = CacheAwarePolicy(bounded_load_factor=1.0, bounded_load_slack=0)
     ws = workers(4, 2, 2)
     p.tree.insert("abcdefgh", "http://w0")
     # total 8, cap = ceil(9 / 3) = 3: w0 (4 + 1 > 3) is out; w1, w2 tie at 2 -> smaller tree (both 0) -> w1
@@ -171,16 +171,16 @@ def test_bounded_load_never_lets_a_worker_exceed_the_cap():
     # a single hot prefix and 200 arrivals with no completions: loads stay within the bound at every step
     import math
 
-    c = 1.25
-    p = CacheAwarePolicy(bounded_load_factor=c)
+    c, slack = 1.25, 3
+    p = CacheAwarePolicy(bounded_load_factor=c, bounded_load_slack=slack)
     ws = workers(0, 0, 0, 0)
     for i in range(200):
         total = sum(w.load for w in ws)
-        cap = math.ceil(c * (total + 1) / len(ws))
+        cap = math.ceil(c * (total + 1) / len(ws)) + slack
         w = p.select(ws, f"one shared system prompt for everyone; question {i}")
         w.load += 1
         assert w.load <= cap
-    assert max(w.load for w in ws) <= math.ceil(c * 200 / 4)
+    assert max(w.load for w in ws) <= math.ceil(c * 200 / 4) + slack
     assert min(w.load for w in ws) > 0  # the hot prefix spilled over every worker
 
 
@@ -191,3 +191,17 @@ def test_bounded_load_factor_below_one_is_rejected():
         RouterConfig(bounded_load_factor=0.9).validate()
     p = make_policy("cache_aware", RouterConfig(bounded_load_factor=1.25))
     assert p.bounded_load_factor == 1.25
+
+
+def test_bounded_load_slack_keeps_a_lightly_loaded_owner():
+    # loads 3, 1, 1, 1: total 6, ceil(1.25 * 7 / 4) = 3, so w0 (3 + 1) is over the bare cap,
+    # but within the default slack of 4: the request stays on its cache
+    p = CacheAwarePolicy(bounded_load_factor=1.25)
+    ws = workers(3, 1, 1, 1)
+    p.tree.insert("system prompt of group one", "http://w0")
+    assert p.select(ws, "system prompt of group one, q").url == "http://w0"
+    p0 = CacheAwarePolicy(bounded_load_factor=1.25, bounded_load_slack=0)
+    p0.tree.insert("system prompt of group one", "http://w0")
+    assert p0.select(ws, "system prompt of group one, q").url != "http://w0"
+    with pytest.raises(ValueError):
+        CacheAwarePolicy(bounded_load_factor=1.25, bounded_load_slack=-1)
