@@ -31,10 +31,9 @@ from typing import Any
 import torch.distributed as dist
 
 from fleetserve.distributed.parallel_state import ParallelState
+from fleetserve.engine.args import MOE_A2A_BACKENDS
 
 logger = logging.getLogger(__name__)
-
-MOE_A2A_BACKENDS = ("allgather", "all_to_all")
 
 
 class ParallelConfigError(ValueError):

@@ -264,15 +264,23 @@ class Router:
             if "cache-control" not in resp.headers:
                 extra.append(("Cache-Control", "no-cache"))
             request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"), extra)
+            tail = b"\n\n"  # the last two bytes sent: is an event open?
             try:
                 while True:
                     chunk = await resp.next_chunk()
                     if not chunk:
                         break
                     await request.write(chunk)
-            except UpstreamError:
+                    tail = (tail + chunk)[-2:]
+            except UpstreamError as e:
+                # bytes already reached the client, so no retry: close off any half event and
+                # end with an OpenAI-style error event (and no [DONE]) rather than a silent cut
                 self._fail(worker)
-                request.end_stream()  # end the stream cleanly; the client sees it cut short
+                err = {"error": {"message": f"worker {worker.url} failed mid-stream: {e}", "type": "bad_gateway",
+                                 "code": 502}}
+                await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err)
+                                    + b"\n\n")
+                request.end_stream()
                 return
             worker.breaker.record_success()
             request.end_stream()

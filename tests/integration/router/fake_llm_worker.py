@@ -2,7 +2,8 @@
 
 Run: ``python fake_llm_worker.py --port P --name NAME``.  Request fields steer it:
 ``fake_sleep`` (seconds before answering), ``fake_status`` (status code),
-``stream: true`` (SSE of ``fake_chunks`` chunks, ``fake_chunk_delay`` s apart).
+``stream: true`` (SSE of ``fake_chunks`` chunks, ``fake_chunk_delay`` s apart;
+``fake_die_after: n`` sends half an event after ``n`` chunks and drops the connection).
 Every answer names the worker (JSON field ``worker``).  ``GET /stats`` returns
 request and flush counts.  ``--unhealthy-file PATH``: /health answers 503 while
 PATH exists.
@@ -31,7 +32,12 @@ def build(name: str, unhealthy_file: str | None) -> web.Application:
         if body.get("stream") is True:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Fake-Worker": name})
             await resp.prepare(request)
+            die_after = body.get("fake_die_after")  # chunks sent before the connection drops
             for i in range(int(body.get("fake_chunks", 3))):
+                if die_after is not None and i == int(die_after):
+                    await resp.write(b'data: {"worker": "cut in the mid')  # half an event, then gone
+                    request.transport.close()
+                    return resp
                 await resp.write(f"data: {json.dumps({'worker': name, 'i': i})}\n\n".encode())
                 await asyncio.sleep(float(body.get("fake_chunk_delay", 0)))
             await resp.write(b"data: [DONE]\n\n")

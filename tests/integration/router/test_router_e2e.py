@@ -237,6 +237,31 @@ async def test_streaming_is_passed_through_without_buffering(procs):
         assert rest.count(b"data:") == 4 and rest.endswith(b"data: [DONE]\n\n")
 
 
+@pytest.mark.timeout(60)
+async def test_worker_dying_mid_stream_ends_with_an_error_event(procs):
+    """Bytes already reached the client, so no retry: the stream must end with an SSE error
+    event the client can see (not a silent cut), the worker's load must return to 0, and the
+    router must keep serving."""
+    u0, _ = procs.worker("w0")
+    router, _ = procs.router([u0])
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router + "/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                "fake_chunks": 5, "fake_die_after": 2}, timeout=T) as r:
+            assert r.status == 200
+            body = await r.read()
+        events = [e for e in body.split(b"\n\n") if e.strip()]
+        assert [json.loads(e[len(b"data: "):])["i"] for e in events[:2]] == [0, 1]
+        # the half event is closed off on its own, then the error event; no [DONE]
+        assert events[2] == b'data: {"worker": "cut in the mid'
+        err = json.loads(events[3][len(b"data: "):])["error"]
+        assert err["code"] == 502 and err["type"] == "bad_gateway" and u0 in err["message"]
+        assert len(events) == 4 and b"[DONE]" not in body
+        assert await wait_loads_zero(s, router) == {u0: 0}
+        st, ok = await post(s, router + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        assert st == 200 and ok["worker"] == "w0"
+
+
 @pytest.mark.timeout(30)
 async def test_router_exits_when_a_worker_never_gets_healthy(procs):
     import socket
