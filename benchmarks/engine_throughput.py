@@ -9,6 +9,11 @@ One run measures, on the same prompts and the same number of threads:
 * transformers: ``model.generate`` on batches of ``c`` prompts (left padded,
   exactly ``max_new_tokens`` tokens each, greedy): output tokens/s, and TTFT as
   the time of the same batch's ``generate(max_new_tokens=1)`` (its prefill);
+* mixed output lengths: the same at one concurrency, but each request asks
+  for its own number of tokens (seeded, uniform in ``--mixed-output-range``),
+  as real requests do. fleetserve retires a request when it is done and admits
+  the next; a transformers batch runs until its longest member is done, and
+  only each request's own tokens count as output;
 * a repeated 1,000-token prefix: TTFT of a prompt made of a fixed 1,000-token
   document plus a short question, cold (first time) versus warm (the document
   is in the radix cache; mean of several distinct questions), with
@@ -48,13 +53,19 @@ def prompts_for(n: int) -> list[str]:
     return [f"Write a short story about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
 
 
+#: Matmul time of one fleetserve decode step at batch 32, one thread, from a torch.profiler run by
+#: hand on this machine (2026-11-30): oneDNN linears 177 ms of a 262 ms step.
+MATMUL_MS_B32 = 177.0
+
+
 # --------------------------------------------------------------------------- fleetserve
-def run_fleetserve(sched, prompt_ids: list[list[int]], conc: int, max_new: int) -> tuple[float, float]:
-    """Closed loop with ``conc`` requests in flight. Returns (output tokens/s, mean TTFT s)."""
+def run_fleetserve(sched, prompt_ids: list[list[int]], conc: int, max_new: int | list[int]) -> tuple[float, float]:
+    """Closed loop with ``conc`` requests in flight; ``max_new`` for all or per request.
+    Returns (output tokens/s, mean TTFT s)."""
     from fleetserve.engine.io_struct import TokenizedGenerateReq
     from fleetserve.engine.sampling_params import SamplingParams
 
-    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    lens = max_new if isinstance(max_new, list) else [max_new] * len(prompt_ids)
     pending = list(enumerate(prompt_ids))
     t_add: dict[str, float] = {}
     ttft: dict[str, float] = {}
@@ -65,6 +76,7 @@ def run_fleetserve(sched, prompt_ids: list[list[int]], conc: int, max_new: int) 
         while pending and len(inflight) < conc:
             i, ids = pending.pop(0)
             rid = f"b{conc}-{i}"
+            sp = SamplingParams(max_new_tokens=lens[i], temperature=0.0, ignore_eos=True)
             sched.add_request(TokenizedGenerateReq(rid, ids, sp, stream=True))
             t_add[rid] = time.perf_counter()
             inflight.add(rid)
@@ -96,8 +108,10 @@ def ttft_fleetserve(sched, ids: list[int]) -> tuple[float, int]:
 
 
 # ------------------------------------------------------------------------- transformers
-def run_hf(model, tok, texts: list[str], conc: int, max_new: int) -> tuple[float, float]:
-    """Batches of ``conc`` prompts. Returns (output tokens/s, mean batch prefill time s)."""
+def run_hf(model, tok, texts: list[str], conc: int, max_new: int | list[int]) -> tuple[float, float]:
+    """Batches of ``conc`` prompts; ``max_new`` for all or per request (a batch then runs to its
+    longest, and only each request's own tokens count). Returns (output tokens/s, mean batch prefill s)."""
+    lens = max_new if isinstance(max_new, list) else [max_new] * len(texts)
     tokens = 0
     gen_time = 0.0
     prefill = []
@@ -109,10 +123,12 @@ def run_hf(model, tok, texts: list[str], conc: int, max_new: int) -> tuple[float
                            pad_token_id=tok.pad_token_id)
             prefill.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            out = model.generate(**batch, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+            want = lens[start: start + conc]
+            out = model.generate(**batch, max_new_tokens=max(want), min_new_tokens=max(want), do_sample=False,
                                  pad_token_id=tok.pad_token_id)
             gen_time += time.perf_counter() - t0
-        tokens += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+        assert out.shape[1] - batch["input_ids"].shape[1] == max(want)
+        tokens += sum(want)
     return tokens / gen_time, statistics.mean(prefill)
 
 
@@ -134,11 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests-per-level", type=int, default=0,
                     help="requests per concurrency level (default: max(4, min(2 x concurrency, 32)))")
     ap.add_argument("--prefix-tokens", type=int, default=1000)
+    ap.add_argument("--mixed-output-range", default="8,128", help="lo,hi of the per-request output lengths")
+    ap.add_argument("--mixed-concurrency", type=int, default=32)
+    ap.add_argument("--mixed-requests", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="tiny run, print only")
     ap.add_argument("--no-write", action="store_true", help="print the table, leave docs/benchmarks.md alone")
     args = ap.parse_args(argv)
     if args.quick:
         args.max_new_tokens, args.concurrency, args.prefix_tokens, args.no_write = 8, "1,4", 200, True
+        args.mixed_output_range, args.mixed_concurrency, args.mixed_requests = "2,12", 4, 8
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
@@ -178,6 +198,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"c={c:>3} n={n:>3}: fleetserve {fs_tps:7.1f} tok/s TTFT {fs_ttft*1000:7.0f} ms | "
               f"transformers {hf_tps:7.1f} tok/s batch prefill {hf_pre*1000:7.0f} ms", flush=True)
 
+    # mixed output lengths
+    import random
+
+    lo, hi = (int(x) for x in args.mixed_output_range.split(","))
+    mrng = random.Random(0)
+    mlens = [mrng.randint(lo, hi) for _ in range(args.mixed_requests)]
+    mtexts = prompts_for(args.mixed_requests)
+    mids = [tok.encode(t) for t in mtexts]
+    sched.flush_cache()
+    mc = args.mixed_concurrency
+    mfs_tps, mfs_ttft = run_fleetserve(sched, mids, mc, mlens)
+    mhf_tps, mhf_pre = run_hf(hf, tok, mtexts, mc, mlens)
+    print(f"mixed lengths {lo}..{hi}, c={mc}: fleetserve {mfs_tps:7.1f} tok/s | transformers {mhf_tps:7.1f} tok/s "
+          f"({mfs_tps / mhf_tps:.2f}x)", flush=True)
+
     # repeated long prefix
     sched.flush_cache()
     doc_ids: list[int] = []
@@ -198,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load = os.getloadavg()
     c32 = next((fs / hf for c, _, fs, hf, _, _ in rows if c == 32), None)
+    hf_step_ms = next((1000 * 32 / hf for c, _, _, hf, _, _ in rows if c == 32), None)
     body = [
         f"Machine load average during the run: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min; "
         f"{os.cpu_count()} cores shared with other jobs).",
@@ -217,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"| {hf_pre*1000:.0f} |")
     body += [
         "",
+        f"Mixed output lengths: {args.mixed_requests} requests, each asking for its own number of tokens "
+        f"(uniform in {lo}..{hi}, seed 0, mean {statistics.mean(mlens):.0f}), concurrency {mc}. A transformers "
+        f"batch runs until its longest member is done; only each request's own tokens are counted.",
+        "",
+        "| concurrency | requests | fleetserve tok/s | transformers tok/s | speed-up |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {mc} | {args.mixed_requests} | {mfs_tps:.1f} | {mhf_tps:.1f} | {mfs_tps / mhf_tps:.2f}x |",
+        "",
         f"Repeated {args.prefix_tokens}-token prefix (a fixed document + a short question, one request at a time):",
         "",
         "| | TTFT ms | prompt tokens from radix cache |",
@@ -234,15 +278,18 @@ def main(argv: list[str] | None = None) -> int:
         f"with AMX, so both sides run float32 here). Almost all of fleetserve's step time is the model "
         f"forward; the scheduler and sampler add a few ms per step.",
         "",
-        "Where the time goes (profiled by hand, not by this script): about 77% of a fleetserve decode step at "
-        "batch 32 is float32 matmuls, which for 4-128 rows run through oneDNN with weights prepacked once "
-        "(`src/fleetserve/layers/cpu_gemm.py`; 1.2-1.5x faster decode forwards at batch 8-32 than MKL's "
-        "`F.linear` on this AVX2 EPYC, same results to float32 rounding). One transformers decode forward at "
-        "batch 32 costs about the same matmul time (same weights, same float32 arithmetic); its extra cost is "
-        "concatenating its KV cache each step (about a third of its step time at a 50-token context). "
-        "So the speed-up column measures transformers' overheads, not faster arithmetic; 5x at concurrency 32 "
-        "would need less arithmetic per token (e.g. lower-precision weights), which this float32 path does "
-        "not do.",
+        "Where the time goes (profiled by hand with torch.profiler, not by this script; 2026-11-30, one "
+        "thread, batch 32): 79% of a fleetserve decode step (177 of 262 ms) is float32 matmuls, which for "
+        "4-128 rows run through oneDNN with weights prepacked once (`src/fleetserve/layers/cpu_gemm.py`; "
+        "1.2-1.5x faster decode forwards at batch 8-32 than MKL's `F.linear` on this AVX2 EPYC, same "
+        "results to float32 rounding); attention is 6%, everything else (norms, rotary, sampling, the "
+        "scheduler) the rest. A transformers decode step at batch 32 does the same matmuls "
+        + (f"({hf_step_ms:.0f} ms per step in all in this run, from its tok/s above). So with equal output "
+           f"lengths the ratio is bounded by transformers' step over our matmul time, about "
+           f"{hf_step_ms / MATMUL_MS_B32:.1f}x, whatever we do outside the matmuls. " if hf_step_ms else ". ")
+        + "5x needs less arithmetic per token (lower-precision weights, AMX bf16 or a GPU), which this float32 "
+        "path does not do. The mixed-length table shows what continuous batching adds when requests "
+        "differ, as real ones do.",
     ]
     text = "\n".join(body)
     print(text)
