@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-workers", action="store_true", help="restart a dead instance and re-register it")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for all to be healthy")
     p.add_argument("--shutdown-grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
-    p.add_argument("--log-dir", default=None, help="write each child's output to <log-dir>/<name>.log "
-                   "(default: inherit this terminal)")
+    p.add_argument("--log-dir", default=None, help="write each child's output to <log-dir>/<name>.log; None: "
+                   "children write to this terminal")
     return p
 
 

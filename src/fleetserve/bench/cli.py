@@ -26,23 +26,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fleetserve bench", description="Workload benchmark for OpenAI-compatible servers.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="router or worker URL")
-    p.add_argument("--api", choices=("chat", "completions"), default="chat")
-    p.add_argument("--model", default=None, help="model field of the requests (default: omitted)")
-    p.add_argument("--workload", choices=workloads.WORKLOADS, default="shared_prefix")
+    p.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="/v1/chat/completions (messages) or /v1/completions (one prompt string)")
+    p.add_argument("--model", default=None, help="model field of the requests; None leaves it out")
+    p.add_argument("--workload", choices=workloads.WORKLOADS, default="shared_prefix",
+                   help="who shares which prefix: groups with one system prompt, growing conversations, or none")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests and arrival times")
     g = p.add_argument_group("shared_prefix")
-    g.add_argument("--num-groups", type=int, default=64)
-    g.add_argument("--prompts-per-group", type=int, default=16)
+    g.add_argument("--num-groups", type=int, default=64, help="groups, each with its own system prompt")
+    g.add_argument("--prompts-per-group", type=int, default=16, help="requests sharing one system prompt")
     g.add_argument("--system-prompt-len", type=int, default=None,
-                   help="tokens (words) of the shared system prompt (default 2048; multi_turn: 0)")
-    g.add_argument("--question-len", type=int, default=128)
-    g.add_argument("--output-len", type=int, default=256)
+                   help="tokens (words) of the shared system prompt; None means 2048 for shared_prefix, 0 for multi_turn")
+    g.add_argument("--question-len", type=int, default=128, help="tokens (words) of each request's own question")
+    g.add_argument("--output-len", type=int, default=256, help="max_tokens of every request")
     g = p.add_argument_group("multi_turn")
-    g.add_argument("--num-conversations", type=int, default=64)
-    g.add_argument("--num-turns", type=int, default=8)
+    g.add_argument("--num-conversations", type=int, default=64, help="conversations, interleaved")
+    g.add_argument("--num-turns", type=int, default=8, help="turns per conversation, each sent after the last answer")
     g = p.add_argument_group("random")
-    g.add_argument("--num-prompts", type=int, default=1024)
-    g.add_argument("--random-input-len", type=int, default=2176)
+    g.add_argument("--num-prompts", type=int, default=1024, help="independent prompts")
+    g.add_argument("--random-input-len", type=int, default=2176, help="tokens (words) per prompt")
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
@@ -56,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker URLs behind the router: per-worker figures from /metrics deltas when responses "
                         "do not name their worker")
     g.add_argument("--flush-cache", action="store_true", help="POST /flush_cache to every worker URL before the run")
-    g.add_argument("--output-json", default=None)
-    g.add_argument("--output-png", default=None)
-    g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--output-json", default=None, help="write the summary and per-request records here")
+    g.add_argument("--output-png", default=None, help="write TTFT/ITL/latency charts here")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return p
 
 

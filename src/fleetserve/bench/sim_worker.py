@@ -281,7 +281,7 @@ class SimWorker:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fleetserve sim-worker", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="fleetserve sim-worker", description=__doc__.split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=31000, help="port of the first worker")
@@ -349,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"sim-worker: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a port already in use
+        print(f"sim-worker: cannot listen on {args.host}:{args.port}..{args.port + args.num_workers - 1}: {e}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -35,7 +35,20 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
             pass
     servers = []
     try:
-        failed = await router.add_initial_workers()
+        if cfg.worker_urls:
+            log.info("waiting up to %g s for %d worker(s) to become healthy: %s", cfg.worker_startup_timeout_secs,
+                        len(cfg.worker_urls), " ".join(cfg.worker_urls))
+        # a signal must stop the wait too (it can last --worker-startup-timeout-secs, 1800 s by default)
+        adding = asyncio.ensure_future(router.add_initial_workers())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((adding, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not adding.done():
+            adding.cancel()
+            await asyncio.gather(adding, return_exceptions=True)
+            log.error("stopped while waiting for workers to become healthy")
+            return 1
+        failed = adding.result()
         if failed:
             log.error("workers not healthy within %s s: %s", cfg.worker_startup_timeout_secs, " ".join(failed))
             return 1

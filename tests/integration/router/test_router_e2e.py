@@ -278,6 +278,39 @@ async def test_router_exits_when_a_worker_never_gets_healthy(procs):
     assert p.returncode == 1 and "not healthy" in p.stderr
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+async def test_signal_stops_the_router_while_it_waits_for_workers(sig):
+    """Waiting up to --worker-startup-timeout-secs (1800 s by default) for a worker that never
+    comes up must not make the router deaf to Ctrl-C / SIGTERM."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "router", "--port", str(port), "--host",
+                          "127.0.0.1", "--worker-urls", "http://127.0.0.1:9", "--worker-startup-check-interval",
+                          "0.2"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        line = ""
+        while "waiting" not in line and time.monotonic() < deadline:
+            line = p.stderr.readline()  # the router says what it waits for
+        assert "waiting" in line and "http://127.0.0.1:9" in line
+        p.send_signal(getattr(signal, sig))
+        rc = p.wait(timeout=10)
+        assert rc == 1
+        assert "stopped while waiting" in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.timeout(60)
 async def test_background_eviction_keeps_tree_within_budget(procs):
     urls = [procs.worker(f"w{i}")[0] for i in range(2)]
