@@ -172,14 +172,17 @@ class CacheAwarePolicy:
                     return chosen
         self.misses += 1
         if chosen is None:
-            if self.smallest_tree:
-                size = tree.tenant_size
-                chosen = min(workers, key=lambda w: size(w.url))
-            else:
-                chosen = least_loaded(workers, tree)
+            chosen = self._miss_target(workers)
         if text:
             tree.insert(text, chosen.url)
         return chosen
+
+    def _miss_target(self, workers: list[Worker]) -> Worker:
+        """Step 3: where a cache miss goes (``--cache-miss-fallback``)."""
+        if self.smallest_tree:
+            size = self.tree.tenant_size
+            return min(workers, key=lambda w: size(w.url))
+        return least_loaded(workers, self.tree)
 
     def _select_bounded(self, workers: list[Worker], text: str) -> Worker:
         """Steps 2-3 among the workers under the bounded-load capacity (see the class doc)."""
@@ -206,11 +209,7 @@ class CacheAwarePolicy:
                     chosen = best
         if chosen is None:
             self.misses += 1
-            if self.smallest_tree:
-                size = tree.tenant_size
-                chosen = min(cands, key=lambda w: size(w.url))
-            else:
-                chosen = least_loaded(cands, tree)
+            chosen = self._miss_target(cands)
         if text:
             tree.insert(text, chosen.url)
         return chosen
