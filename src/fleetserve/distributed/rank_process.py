@@ -127,6 +127,9 @@ def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoint
     # SIGTERM ends a rank at once, even inside a blocking collective (a Python handler
     # would only run after it); the watchdog treats SIGTERM as a requested stop.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from fleetserve.engine.parent_watch import no_leaks_on_abrupt_exit
+
+    no_leaks_on_abrupt_exit()
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
     try:

@@ -1,4 +1,5 @@
-"""End a child process when the process that launched it is gone.
+"""Life and death of child processes: end one when the process that launched
+it is gone, and leave nothing behind when it ends abruptly.
 
 Scheduler and rank processes are started with ``multiprocessing``'s spawn
 context; if the server is killed (SIGKILL, or a signal that skips its clean-up)
@@ -37,3 +38,16 @@ def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> threading.Thread:
     t = threading.Thread(target=watch, name="parent-watch", daemon=True)
     t.start()
     return t
+
+
+def no_leaks_on_abrupt_exit() -> None:
+    """Prepare a child that ends by ``os._exit`` or by SIGTERM's default action.
+
+    Both skip multiprocessing's finalizers, so a named semaphore created in the
+    child is reported as leaked by the resource tracker at shutdown. The one we
+    create is tqdm's default lock (a multiprocessing RLock, made on the first
+    progress bar); a thread lock is all one process needs, so use that.
+    """
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())

@@ -179,7 +179,10 @@ def run_scheduler_process(args: ServerArgs, input_endpoint: str, output_endpoint
     (SIGTERM, or ``parent_pid`` -- the server -- disappearing)."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s scheduler[{dp_rank}] %(name)s: %(message)s")
+    from fleetserve.engine.parent_watch import no_leaks_on_abrupt_exit
+
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    no_leaks_on_abrupt_exit()
     if parent_pid is not None:
         from fleetserve.engine.parent_watch import exit_with_parent
 
