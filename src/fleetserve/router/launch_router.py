@@ -37,7 +37,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
     try:
         if cfg.worker_urls:
             log.info("waiting up to %g s for %d worker(s) to become healthy: %s", cfg.worker_startup_timeout_secs,
-                        len(cfg.worker_urls), " ".join(cfg.worker_urls))
+                     len(cfg.worker_urls), " ".join(cfg.worker_urls))
         # a signal must stop the wait too (it can last --worker-startup-timeout-secs, 1800 s by default)
         adding = asyncio.ensure_future(router.add_initial_workers())
         stopping = asyncio.ensure_future(stop.wait())
