@@ -15,7 +15,6 @@ characters, then to registration order, so new prompts spread out.
 from __future__ import annotations
 
 import math
-
 import random as _random
 
 from .radix_tree import RadixTree
@@ -108,9 +107,8 @@ class CacheAwarePolicy:
     Zadimoghaddam, SODA 2018): only workers whose load would stay within
     ``ceil(c * (total_load + 1) / n) + bounded_load_slack`` are candidates (the
     slack, ours, keeps the usual jitter of a lightly loaded fleet from moving
-    requests off their cache), steps 2 and 3 pick among
-    them, and step 2 takes the candidate with the longest match (ties: least
-    loaded).  A hot prefix then spills to a second worker as soon as its owner
+    requests off their cache); steps 2 and 3 pick among them, and step 2 takes
+    the candidate with the longest match (ties: least loaded, then first).  A hot prefix then spills to a second worker as soon as its owner
     is ``c`` times busier than the average, instead of waiting for the absolute
     gap of step 1; ``balanced`` counts requests whose best-matching worker was
     over the bound.
@@ -194,17 +192,11 @@ class CacheAwarePolicy:
         if text:
             per = tree.match_per_tenant(text)
             if per:
-                best_all = max(per.values())
-                best, best_key = None, None
-                for w in cands:
-                    m = per.get(w.url, 0)
-                    key = (m, -w.load)
-                    if best_key is None or key > best_key:
-                        best, best_key = w, key
-                if best_all / len(text) > self.cache_threshold and not any(
-                        per.get(w.url, 0) == best_all for w in cands):
+                best = max(cands, key=lambda w: (per.get(w.url, 0), -w.load))
+                matched = per.get(best.url, 0)
+                if matched < max(per.values()) and max(per.values()) / len(text) > self.cache_threshold:
                     self.balanced += 1  # the best-matching worker is over the bound
-                if best is not None and best_key[0] / len(text) > self.cache_threshold:
+                if matched / len(text) > self.cache_threshold:
                     self.hits += 1
                     chosen = best
         if chosen is None:
