@@ -19,7 +19,13 @@ it is never installed in the project's venv.
 Usage::
 
     python benchmarks/routing_experiment.py sim    [--workers 8 16] [--time-scale 8] [--no-doc]
+                                                   [--max-concurrency-per-worker C] [--section NAME]
     python benchmarks/routing_experiment.py engine [--instances 2] [--no-doc]
+                                                   [--max-concurrency C] [--section NAME]
+
+Arrivals are Poisson (``--rate-per-worker`` / ``--rate``) unless a closed
+loop is asked for (``--max-concurrency...``: that many requests in flight,
+as SGLang's bench_serving ``--max-concurrency``).
 
 Tables go to docs/benchmarks.md (sections ``routing-sim`` and
 ``routing-engine``) through benchmarks/doc_section.py; raw summaries to
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shlex
 import signal
@@ -62,11 +69,11 @@ def _get(url: str, timeout: float = 2.0) -> int:
         return 0
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     f = open(log, "ab")
     try:
         return subprocess.Popen(cmd, start_new_session=True, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, env=env)
     finally:
         f.close()
 
@@ -213,9 +220,13 @@ def write_sim_doc(a: argparse.Namespace, sections: list) -> None:
         f"KV capacity {a.max_total_tokens} tokens per worker, `--stream-interval {a.stream_interval}`. "
         "The simulation runs k times slower than the model (k in each table's title) and the bench divides "
         "its clock by the same factor, so all times and rates below are in model time (the slow-down keeps "
-        "the Python router, workers and client on this 2-core machine from being the bottleneck). Poisson "
-        f"arrivals at {a.rate_per_worker:g} (shared_prefix) and {a.rate_per_worker_multi_turn:g} (multi_turn, "
-        "first turns; later turns wait for the previous answer) requests/s per worker. Workloads (full size): shared_prefix 64 groups x 16 "
+        "the Python router, workers and client on this 2-core machine from being the bottleneck). "
+        + (f"Closed loop: {a.max_concurrency_per_worker} requests in flight per worker (a client sends its next "
+           "request when one ends; multi_turn turns still wait for the previous answer). "
+           if a.max_concurrency_per_worker else
+           f"Poisson arrivals at {a.rate_per_worker:g} (shared_prefix) and {a.rate_per_worker_multi_turn:g} "
+           "(multi_turn, first turns; later turns wait for the previous answer) requests/s per worker. ")
+        + "Workloads (full size): shared_prefix 64 groups x 16 "
         "prompts, system prompt 2048 + question 128 tokens, 256 output tokens (1024 requests); multi_turn 64 "
         "conversations x 8 turns, 128-token questions, 256-token answers (512 requests, each turn sent after "
         "the previous one finished). Both cache_aware routers run with sgl-router's default thresholds "
@@ -223,7 +234,9 @@ def write_sim_doc(a: argparse.Namespace, sections: list) -> None:
         "starts from empty worker caches and a fresh router process. Ratios are to round robin on the same "
         "table (TTFT: lower is better). " + a.note, ""]
     for n, wname, rate, scale, rows in sections:
-        body += [f"### {n} workers, {wname} ({rate:g} req/s, k = {scale:g})", "", table(rows), ""]
+        load = (f"{a.max_concurrency_per_worker * n} in flight" if a.max_concurrency_per_worker
+                else f"{rate:g} req/s")
+        body += [f"### {n} workers, {wname} ({load}, k = {scale:g})", "", table(rows), ""]
     body += ["Reference point: SGLang's v0.4 release reported 3.8x hit rate (75% vs 20%) and 1.9x throughput "
              "for cache-aware routing over round robin on generated-shared-prefix with 8 workers."]
     if not a.no_doc:
@@ -254,9 +267,12 @@ def sim_part(a: argparse.Namespace) -> None:
             try:
                 wait_healthy(urls, [wp], 120)
                 rate = (a.rate_per_worker if wname == "shared_prefix" else a.rate_per_worker_multi_turn) * n
-                bench_argv = [*workloads[wname], "--seed", "0", "--time-scale", str(scale),
-                              "--request-rate", str(rate)]
-                print(f"== sim: {n} workers, {wname}, {rate:g} req/s (model time), time scale {scale}", flush=True)
+                arrivals = ["--request-rate", str(rate)]
+                if a.max_concurrency_per_worker:
+                    rate = math.inf
+                    arrivals = ["--request-rate", "inf", "--max-concurrency", str(a.max_concurrency_per_worker * n)]
+                bench_argv = [*workloads[wname], "--seed", "0", "--time-scale", str(scale), *arrivals]
+                print(f"== sim: {n} workers, {wname}, {arrivals}, time scale {scale}", flush=True)
                 sweep = a.sweep and n in a.sweep_workers and wname == "shared_prefix"
                 rows: list[dict] = []
                 all_rows[f"{n}-{wname}"] = rows
@@ -271,13 +287,28 @@ def sim_part(a: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------- engine
+def load_args(a: argparse.Namespace) -> list[str]:
+    """The bench's arrival flags: closed loop at ``--max-concurrency`` if given, else Poisson ``--rate``."""
+    if a.max_concurrency:
+        return ["--max-concurrency", str(a.max_concurrency), "--request-rate", "inf"]
+    return ["--request-rate", str(a.rate)]
+
+
+def load_text(a: argparse.Namespace) -> str:
+    if a.max_concurrency:
+        return f"closed loop, {a.max_concurrency} requests in flight (each client sends its next as one ends)"
+    return f"Poisson {a.rate} requests/s"
+
+
 def engine_part(a: argparse.Namespace) -> None:
     logdir = Path(a.log_dir)
     logdir.mkdir(parents=True, exist_ok=True)
     port0 = 36500
     urls = [f"http://127.0.0.1:{port0 + i}" for i in range(a.instances)]
+    threads = a.threads_per_instance or max(1, (os.cpu_count() or 1) // a.instances)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))  # instances share the cores: no oversubscription
     procs = [start([PY, "-m", "fleetserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port0 + i),
-                    *shlex.split(a.engine_args)], logdir / f"engine-{i}.log") for i in range(a.instances)]
+                    *shlex.split(a.engine_args)], logdir / f"engine-{i}.log", env) for i in range(a.instances)]
     workloads = {
         "shared_prefix": ["--workload", "shared_prefix", "--num-groups", str(a.groups), "--prompts-per-group",
                           str(a.prompts_per_group), "--system-prompt-len", str(a.system_len), "--question-len",
@@ -291,8 +322,8 @@ def engine_part(a: argparse.Namespace) -> None:
         wait_healthy(urls, procs, 900)
         for wname in a.workloads:
             # sglang-router fills in model "unknown" when a request names none, which our engine rejects
-            bench_argv = [*workloads[wname], "--seed", "0", "--request-rate", str(a.rate), "--model", a.model]
-            print(f"== engine: {a.instances} instances, {wname}, {a.rate} req/s", flush=True)
+            bench_argv = [*workloads[wname], "--seed", "0", *load_args(a), "--model", a.model]
+            print(f"== engine: {a.instances} instances, {wname}, {load_text(a)}", flush=True)
             rows = [run_one(label, kind, flags, urls, bench_argv, 36900, a.peer_python, logdir)
                     for label, kind, flags in routers(False, tuple(a.bounded_load))]
             all_rows[wname] = rows
@@ -306,14 +337,14 @@ def engine_part(a: argparse.Namespace) -> None:
             f"(`{a.engine_args}`), all on the same 2 cores. Workloads scaled down to finish in minutes: "
             f"shared_prefix {a.groups} groups x {a.prompts_per_group} prompts, system prompt {a.system_len} + "
             f"question {a.question_len} tokens; multi_turn {a.conversations} conversations x {a.turns} turns, "
-            f"{a.question_len}-token questions; {a.output_len} output tokens; Poisson {a.rate} requests/s. "
-            "Caches flushed and a fresh router before every run; ratios to round robin.", ""]
+            f"{a.question_len}-token questions; {a.output_len} output tokens; {load_text(a)}; "
+            f"{threads} torch thread{'' if threads == 1 else 's'} per instance. "
+            "Caches flushed and a fresh router before every run; ratios to round robin. " + a.note, ""]
     for wname, rows in sections:
         body += [f"### {wname}", "", table(rows), ""]
     if not a.no_doc:
         cmd = "python benchmarks/routing_experiment.py engine " + " ".join(shlex.quote(x) for x in a.argv)
-        write_section("routing-engine", "Routing: cache-aware vs round robin on real engines (CPU)", cmd.strip(),
-                      "\n".join(body))
+        write_section(a.section, a.title, cmd.strip(), "\n".join(body))
 
 
 def main() -> None:
@@ -328,6 +359,8 @@ def main() -> None:
     s.add_argument("--rate-per-worker", type=float, default=16.0, help="shared_prefix arrivals per worker")
     s.add_argument("--rate-per-worker-multi-turn", type=float, default=8.0)
     s.add_argument("--time-scale-multi-turn", type=float, default=3.0)
+    s.add_argument("--max-concurrency-per-worker", type=int, default=0,
+                   help="closed loop with this many requests in flight per worker instead of Poisson arrivals")
     s.add_argument("--sweep", action="store_true", help="add the threshold sweep rows")
     s.add_argument("--sweep-workers", type=int, nargs="+", default=[8])
     s.add_argument("--section", default="routing-sim", help="docs/benchmarks.md section name")
@@ -345,6 +378,13 @@ def main() -> None:
     e.add_argument("--question-len", type=int, default=32)
     e.add_argument("--output-len", type=int, default=16)
     e.add_argument("--rate", type=float, default=1.0)
+    e.add_argument("--max-concurrency", type=int, default=0,
+                   help="closed loop with this many requests in flight instead of Poisson --rate")
+    e.add_argument("--threads-per-instance", type=int, default=0,
+                   help="OMP_NUM_THREADS of each instance (default: cores / instances)")
+    e.add_argument("--section", default="routing-engine", help="docs/benchmarks.md section name")
+    e.add_argument("--title", default="Routing: cache-aware vs round robin on real engines (CPU)")
+    e.add_argument("--note", default="", help="a sentence added to the section's description")
     e.add_argument("--model", default="SmolLM2-135M-Instruct.Q4_1", help="model name the instances serve")
     for q in (s, e):
         q.add_argument("--peer-python", default="/tmp/peers/bin/python")
