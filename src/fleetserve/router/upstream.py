@@ -151,6 +151,9 @@ class UpstreamResponse:
         while not c.done:
             if c.error is not None:
                 raise c.error
+            if c.paused:  # the stream back-pressure does not apply: we want it all
+                c.paused = False
+                c.transport.resume_reading()
             c.body_waiter = c.pool.loop.create_future()
             await c.body_waiter
             c.body_waiter = None
@@ -218,6 +221,8 @@ class UpstreamPool:
         return t
 
     def _put(self, conn: _Conn) -> None:
+        if conn.paused:  # the body ended while reading was paused for back-pressure
+            conn.transport.resume_reading()
         conn._reset()
         idle = self._idle.setdefault(conn.key, [])
         if len(idle) < self.max_idle:

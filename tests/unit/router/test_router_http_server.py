@@ -136,3 +136,31 @@ async def test_idle_client_connections_are_closed():
     assert await asyncio.wait_for(r.read(), 5) == b""  # the server closed the idle connection
     w.close()
     srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_upstream_reads_a_whole_body_larger_than_the_stream_buffer():
+    """A non-streamed answer of several MiB: reading pauses at 1 MiB buffered for streams, and a
+    whole-body read must resume it (it used to wait for the request timeout instead)."""
+    big = b"[" + b",".join(b'"%06d"' % i for i in range(400_000)) + b"]"  # ~3.6 MB
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(big))
+        writer.write(big)
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # the pooled connection carries a second request
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    pool = UpstreamPool(timeout_s=5)
+    resp = await pool.post(base, "/x", b"{}")
+    assert resp.status == 200 and await resp.read() == big
+    resp.release()
+    resp = await pool.post(base, "/x", b"{}")  # same connection, reading not left paused
+    assert await resp.read() == b"{}"
+    resp.release()
+    pool.close()
+    srv.close()
