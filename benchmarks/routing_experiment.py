@@ -393,6 +393,19 @@ def main() -> None:
         q.add_argument("--bounded-load", type=float, nargs="*", default=[],
                        help="also run our cache_aware with each of these --bounded-load-factor values")
     a = p.parse_args()
+    counts = ("workers", "instances", "max_concurrency", "max_concurrency_per_worker", "threads_per_instance",
+              "groups", "prompts_per_group", "system_len", "conversations", "turns", "question_len", "output_len")
+    for name in counts:
+        v = getattr(a, name, None)
+        if v is None:
+            continue
+        low = 0 if name.startswith(("max_concurrency", "threads")) else 1  # 0: off / automatic
+        if any(x < low for x in (v if isinstance(v, list) else [v])):
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+    for name in ("rate", "rate_per_worker", "rate_per_worker_multi_turn", "time_scale", "time_scale_multi_turn"):
+        v = getattr(a, name, None)
+        if v is not None and not v > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {v}")
     a.argv = sys.argv[2:]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop workers, router
     (sim_part if a.part == "sim" else engine_part)(a)
