@@ -52,9 +52,9 @@ _NOT_FORWARDED = frozenset({"connection", "keep-alive", "transfer-encoding", "co
                             "proxy-connection", "te", "trailer", "upgrade"})
 
 
-def _forwarded_headers(headers: dict[str, str]) -> list[tuple[str, str]]:
-    """The worker's response headers to pass to the client (e.g. a worker id header), as pairs."""
-    return [(k, v) for k, v in headers.items() if k not in _NOT_FORWARDED]
+def _forwarded_headers(resp: UpstreamResponse) -> list[tuple[str, str]]:
+    """The worker's response headers to pass to the client (e.g. a worker id header), as pairs, repeats kept."""
+    return [(k, v) for k, v in resp.header_pairs if k not in _NOT_FORWARDED]
 
 
 class _Retry:
@@ -80,11 +80,12 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self._max_attempts = cfg.max_attempts
         self._rr_info = 0
+        self._handling = 0  # inference requests being handled (the shutdown drain waits for them)
 
     # ------------------------------------------------------------ lifecycle
     def inflight(self) -> int:
-        """Requests in flight to registered workers."""
-        return sum(w.load for w in self.registry.workers)
+        """Inference requests being handled, whichever worker (registered or removed since) serves them."""
+        return self._handling
 
     def new_worker(self, url: str) -> Worker:
         c = self.cfg
@@ -185,7 +186,11 @@ class Router:
             self.stats.bad_requests += 1
             return json_error(400, "the request body must be a JSON object")
         path = request.path
-        return await self._forward(request, path, routing_text(path, body), body.get("stream") is True)
+        self._handling += 1
+        try:
+            return await self._forward(request, path, routing_text(path, body), body.get("stream") is True)
+        finally:
+            self._handling -= 1
 
     async def _forward(self, request: Request, path: str, text: str, stream: bool) -> Response | None:
         cfg = self.cfg
@@ -204,7 +209,7 @@ class Router:
                 fresh = [w for w in workers if w not in tried]
                 if fresh:
                     workers = fresh
-            worker = policy.select(workers, text)
+            worker = policy.select(workers, text, retry=bool(tried))
             stats.observe_decision(time.perf_counter() - t0)
             if worker is None:
                 stats.no_worker += 1
@@ -239,12 +244,12 @@ class Router:
                     data = await resp.read()
                     self._fail(worker)
                     return _Retry(Response(status, data, resp.headers.get("content-type", _JSON),
-                                           _forwarded_headers(resp.headers)))
+                                           _forwarded_headers(resp)))
                 if not stream or resp.content_type != "text/event-stream":
                     data = await resp.read()
                     worker.breaker.record_success()
                     return Response(status, data, resp.headers.get("content-type", _JSON),
-                                    _forwarded_headers(resp.headers))
+                                    _forwarded_headers(resp))
             except UpstreamError as e:
                 self._fail(worker)
                 return _Retry(json_error(502, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
@@ -260,7 +265,7 @@ class Router:
     async def _stream(self, request: Request, worker: Worker, resp: UpstreamResponse) -> None:
         """Pass a streamed answer through chunk by chunk, as each arrives."""
         try:
-            extra = _forwarded_headers(resp.headers)
+            extra = _forwarded_headers(resp)
             if "cache-control" not in resp.headers:
                 extra.append(("Cache-Control", "no-cache"))
             request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"), extra)
@@ -346,8 +351,6 @@ class Router:
             return json_error(400, "missing ?url= query parameter")
         try:
             url = normalize_url(raw)
-            if not url.startswith("http://") or len(url) <= len("http://"):
-                raise ValueError("only http://host:port workers are supported")
         except ValueError as e:
             return json_error(400, f"bad worker url: {e}")
         if self.registry.get(url) is not None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from .workers import normalize_url
+
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 CACHE_MISS_FALLBACKS = ("least_loaded", "smallest_tree")
 
@@ -82,9 +84,13 @@ class RouterConfig:
         if not 0.0 <= self.retry_jitter_factor <= 1.0:
             raise ValueError("--retry-jitter-factor must be in [0, 1]")
         for url in self.worker_urls:
-            u = url.strip()
-            if "://" in u and not u.startswith("http://"):
-                raise ValueError(f"worker URL {url!r}: only plain http:// workers are supported")
+            normalize_url(url)  # raises ValueError with the reason
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        for name in ("request_timeout_secs", "health_check_interval_secs", "health_check_timeout_secs",
+                     "worker_startup_timeout_secs", "worker_startup_check_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.retry_max_retries < 1:
             raise ValueError("--retry-max-retries must be >= 1 (it counts attempts)")
 

@@ -42,11 +42,14 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def select(self, workers: list[Worker], text: str) -> Worker | None:
+    def select(self, workers: list[Worker], text: str, retry: bool = False) -> Worker | None:
+        """The next worker in turn.  A ``retry`` (``workers`` then holds only those not tried yet)
+        does not advance the turn, so a failing worker does not shift the rotation onto itself."""
         if not workers:
             return None
         i = self._next % len(workers)
-        self._next = i + 1
+        if not retry:
+            self._next = i + 1
         return workers[i]
 
     def on_worker_removed(self, url: str) -> None:
@@ -59,7 +62,7 @@ class RandomPolicy:
     def __init__(self, rng: _random.Random | None = None) -> None:
         self._rng = rng or _random.Random()
 
-    def select(self, workers: list[Worker], text: str) -> Worker | None:
+    def select(self, workers: list[Worker], text: str, retry: bool = False) -> Worker | None:
         return self._rng.choice(workers) if workers else None
 
     def on_worker_removed(self, url: str) -> None:
@@ -72,7 +75,7 @@ class PowerOfTwoPolicy:
     def __init__(self, rng: _random.Random | None = None) -> None:
         self._rng = rng or _random.Random()
 
-    def select(self, workers: list[Worker], text: str) -> Worker | None:
+    def select(self, workers: list[Worker], text: str, retry: bool = False) -> Worker | None:
         if not workers:
             return None
         if len(workers) == 1:
@@ -135,7 +138,7 @@ class CacheAwarePolicy:
         self.misses = 0
         self.balanced = 0
 
-    def select(self, workers: list[Worker], text: str) -> Worker | None:
+    def select(self, workers: list[Worker], text: str, retry: bool = False) -> Worker | None:
         if not workers:
             return None
         tree = self.tree

@@ -40,19 +40,22 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection; at most one exchange at a time."""
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers", "chunks", "buffered", "done",
-                 "error", "head_waiter", "body_waiter", "keep_alive", "got_bytes", "closed", "paused")
+                 "error", "head_waiter", "body_waiter", "keep_alive", "got_bytes", "closed", "paused",
+                 "interim", "extra", "in_pool", "header_pairs")
 
     def __init__(self, pool: "UpstreamPool", key: str) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.in_pool = False
         self._reset()
 
     def _reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
-        self.headers: dict[str, str] = {}
+        self.headers: dict[str, str] = {}  # lower-case name -> value (repeats joined by ", ")
+        self.header_pairs: list[tuple[str, str]] = []  # as received, repeats kept (Set-Cookie)
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.done = False
@@ -62,12 +65,22 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = True
         self.got_bytes = False
         self.paused = False
+        self.interim = False  # inside a 1xx interim response (100 Continue, 103 Early Hints)
+        self.extra = False  # bytes after the answer: a second response nobody asked for
 
     # -- asyncio.Protocol
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.in_pool or self.done:
+            # the worker sent something after its answer (or to an idle connection): whatever it
+            # is, it must never reach another client, so this connection is not used again
+            self.keep_alive = False
+            if self.in_pool:
+                self.closed = True
+                self.transport.abort()
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
@@ -86,20 +99,48 @@ class _Conn(asyncio.Protocol):
             self._fail(UpstreamError(f"connection closed by the worker ({exc or 'EOF'})"))
 
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.done:  # a second response in the same packet as the first: drop it, close later
+            self.extra = True
+            self.keep_alive = False
+
     def on_status(self, status: bytes) -> None:
-        self.status = self.parser.get_status_code()
+        if not self.extra:
+            self.status = self.parser.get_status_code()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        if self.extra:
+            return
+        key = name.decode("latin-1").lower()
+        old = self.headers.get(key)
+        value = value.decode("latin-1")
+        self.headers[key] = value if old is None else f"{old}, {value}"  # repeated header: RFC 9110 5.3
+        self.header_pairs.append((key, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        if self.extra:
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:
+                self._fail(UpstreamError("the worker switched protocols (101), which the router does not proxy"))
+                self.transport.abort()
+                return
+            # an interim response: skip it and wait for the final one
+            self.interim = True
+            self.status = 0
+            self.headers = {}
+            self.header_pairs = []
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()
         w = self.head_waiter
         if w is not None and not w.done():
             w.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self.extra:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused:
@@ -110,6 +151,11 @@ class _Conn(asyncio.Protocol):
             w.set_result(None)
 
     def on_message_complete(self) -> None:
+        if self.extra:
+            return
+        if self.interim:
+            self.interim = False
+            return
         self.done = True
         for w in (self.head_waiter, self.body_waiter):
             if w is not None and not w.done():
@@ -131,11 +177,12 @@ class UpstreamResponse:
     response returns its connection to the pool, anything else closes it.
     """
 
-    __slots__ = ("status", "headers", "_conn", "_timer", "_released")
+    __slots__ = ("status", "headers", "header_pairs", "_conn", "_timer", "_released")
 
     def __init__(self, conn: _Conn, timer: asyncio.TimerHandle | None) -> None:
         self.status = conn.status
         self.headers = conn.headers
+        self.header_pairs = conn.header_pairs
         self._conn = conn
         self._timer = timer
         self._released = False
@@ -192,7 +239,7 @@ class UpstreamResponse:
         if self._timer is not None:
             self._timer.cancel()
         c = self._conn
-        if c.done and c.keep_alive and not c.closed and not c.chunks and c.error is None:
+        if c.done and c.keep_alive and not c.closed and not c.chunks and c.error is None and not c.extra:
             c.pool._put(c)
         else:
             c.closed = True
@@ -214,9 +261,12 @@ class UpstreamPool:
         t = self._addr.get(base_url)
         if t is None:
             u = urlsplit(base_url)
-            if u.scheme != "http" or not u.hostname:
+            try:
+                port = u.port or 80
+            except ValueError:  # a port out of range or not a number
+                port = 0
+            if u.scheme != "http" or not u.hostname or not port:
                 raise UpstreamError(f"unsupported worker URL {base_url!r} (plain http://host:port only)")
-            port = u.port or 80
             t = self._addr[base_url] = (u.hostname, port, f"{u.netloc}".encode("latin-1"))
         return t
 
@@ -226,6 +276,7 @@ class UpstreamPool:
         conn._reset()
         idle = self._idle.setdefault(conn.key, [])
         if len(idle) < self.max_idle:
+            conn.in_pool = True
             idle.append(conn)
         else:
             conn.closed = True
@@ -256,6 +307,7 @@ class UpstreamPool:
         idle = self._idle.get(base_url)
         while idle:
             conn = idle.pop()
+            conn.in_pool = False
             if conn.closed:
                 continue
             try:

@@ -8,17 +8,35 @@ times out or the client goes away.  Health checks never touch it.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from .circuit_breaker import CircuitBreaker
 
 
 def normalize_url(url: str) -> str:
-    """``host:port`` or ``http://host:port/`` -> ``http://host:port``.  Raises ``ValueError`` on empty input."""
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port``.
+
+    Raises ``ValueError`` for an empty URL, a scheme other than ``http``, no
+    host, or a port that is not an integer in 1..65535.
+    """
     url = url.strip()
     if not url:
         raise ValueError("empty worker URL")
     if "://" not in url:
         url = "http://" + url
-    return url.rstrip("/")
+    url = url.rstrip("/")
+    u = urlsplit(url)
+    if u.scheme != "http":
+        raise ValueError(f"{url!r}: only plain http:// workers are supported")
+    if not u.hostname:
+        raise ValueError(f"{url!r}: no host")
+    try:
+        port = u.port
+    except ValueError:
+        raise ValueError(f"{url!r}: the port must be an integer in 1..65535") from None
+    if port == 0:
+        raise ValueError(f"{url!r}: the port must be an integer in 1..65535")
+    return url
 
 
 class Worker:

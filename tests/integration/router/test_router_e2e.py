@@ -352,3 +352,20 @@ async def test_sigterm_lets_streams_in_flight_finish(procs):
             rest = await r.read()
         assert first.startswith(b"data:") and rest.count(b"data:") == 6 and rest.endswith(b"data: [DONE]\n\n")
     assert await asyncio.to_thread(rp.wait, 10) == 0
+
+
+@pytest.mark.timeout(60)
+async def test_sigterm_waits_for_a_request_to_a_worker_removed_meanwhile(procs):
+    import signal
+
+    u0, _ = procs.worker("w0")
+    router, rp = procs.router([u0], "--shutdown-grace-period-secs", "10")
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(post(s, router + "/v1/completions", {"prompt": "slow", "fake_sleep": 1.5}))
+        await asyncio.sleep(0.3)
+        async with s.post(router + "/remove_worker", params={"url": u0}, timeout=T) as r:
+            assert r.status == 200
+        rp.send_signal(signal.SIGTERM)
+        status, body = await task
+        assert status == 200 and body["worker"] == "w0"
+    assert await asyncio.to_thread(rp.wait, 10) == 0

@@ -164,3 +164,83 @@ async def test_upstream_reads_a_whole_body_larger_than_the_stream_buffer():
     resp.release()
     pool.close()
     srv.close()
+
+
+async def _raw_worker(answers):
+    """A worker on loopback that answers the n-th request on each connection with ``answers[n]`` (raw bytes,
+    or a list of (delay_s, bytes) pieces); returns (server, base url, list of connections seen)."""
+    conns = []
+
+    async def handle(reader, writer):
+        conns.append(writer)
+        for answer in answers:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)  # the test bodies are b"{}"
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            for delay, piece in answer if isinstance(answer, list) else [(0, answer)]:
+                await asyncio.sleep(delay)
+                writer.write(piece)
+            await writer.drain()
+        await asyncio.sleep(5)
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", conns
+
+
+def _ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+@pytest.mark.timeout(20)
+async def test_upstream_skips_interim_1xx_responses():
+    srv, base, conns = await _raw_worker([
+        [(0, b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"), (0.1, _ok(b'{"a":1}', b"X-W: 1\r\n"))],
+        b"HTTP/1.1 100 Continue\r\n\r\n" + _ok(b'{"b":2}')])
+    pool = UpstreamPool(timeout_s=5)
+    resp = await pool.post(base, "/x", b"{}")
+    assert resp.status == 200 and resp.headers == {"content-length": "7", "x-w": "1"}
+    assert await resp.read() == b'{"a":1}'
+    resp.release()
+    resp = await pool.post(base, "/x", b"{}")
+    assert resp.status == 200 and await resp.read() == b'{"b":2}'
+    resp.release()
+    assert len(conns) == 1
+    pool.close()
+    srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_upstream_never_hands_a_second_unasked_answer_to_the_next_request():
+    # worker A answers, then sends another response later (to the idle pooled connection);
+    # worker B answers with two responses in one packet
+    late = _ok(b'{"SECRET":1}')
+    for first in ([(0, _ok(b'{"mine":1}')), (0.1, late)], _ok(b'{"mine":1}') + late):
+        srv, base, conns = await _raw_worker([first, _ok(b'{"mine":2}')])
+        pool = UpstreamPool(timeout_s=5)
+        resp = await pool.post(base, "/x", b"{}")
+        assert await resp.read() == b'{"mine":1}'
+        resp.release()
+        await asyncio.sleep(0.3)
+        resp = await pool.post(base, "/x", b"{}")
+        body = await resp.read()
+        resp.release()
+        assert b"SECRET" not in body
+        assert len(conns) == 2  # the connection that carried the extra answer was not reused
+        pool.close()
+        srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_upstream_keeps_repeated_headers():
+    srv, base, _ = await _raw_worker([_ok(b"{}", b"Set-Cookie: a=1\r\nSet-Cookie: b=2\r\nX-Dup: one\r\nx-dup: two\r\n")])
+    pool = UpstreamPool(timeout_s=5)
+    resp = await pool.post(base, "/x", b"{}")
+    await resp.read()
+    assert resp.headers["x-dup"] == "one, two"
+    assert [p for p in resp.header_pairs if p[0] in ("set-cookie", "x-dup")] == [
+        ("set-cookie", "a=1"), ("set-cookie", "b=2"), ("x-dup", "one"), ("x-dup", "two")]
+    resp.release()
+    pool.close()
+    srv.close()

@@ -205,3 +205,17 @@ def test_bounded_load_slack_keeps_a_lightly_loaded_owner():
     assert p0.select(ws, "system prompt of group one, q").url != "http://w0"
     with pytest.raises(ValueError):
         CacheAwarePolicy(bounded_load_factor=1.25, bounded_load_slack=-1)
+
+
+def test_round_robin_retries_do_not_shift_the_rotation():
+    # w1 fails every time: the router retries on the workers not tried yet (here [w0]); the next
+    # request must still take its turn after w1, so w1 gets every second first attempt, not all
+    ws = workers(0, 0)
+    rr = RoundRobinPolicy()
+    first = []
+    for _ in range(10):
+        w = rr.select(ws, "")
+        first.append(w.url)
+        if w.url == "http://w1":
+            assert rr.select([ws[0]], "", retry=True).url == "http://w0"
+    assert first == ["http://w0", "http://w1"] * 5

@@ -79,3 +79,25 @@ def test_cli_flags_follow_sglang_router():
         parse_args(["--cache-threshold", "1.5"])
     with pytest.raises(SystemExit):
         parse_args(["--worker-urls", "https://a:1"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--worker-urls", "http://127.0.0.1:99999"], ["--worker-urls", "http://127.0.0.1:notaport"],
+    ["--worker-urls", "http://:80"], ["--worker-urls", "127.0.0.1:0"], ["--port", "70000"], ["--port", "-5"],
+    ["--health-check-interval-secs", "0"], ["--request-timeout-secs", "-1"], ["--health-check-timeout-secs", "0"],
+    ["--worker-startup-timeout-secs", "0"], ["--worker-startup-check-interval", "-1"]])
+def test_cli_refuses_bad_urls_ports_and_intervals(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "error:" in capsys.readouterr().err
+
+
+def test_worker_urls_are_normalized_or_refused_with_the_reason():
+    from fleetserve.router.workers import normalize_url
+
+    assert normalize_url(" 127.0.0.1:8000/ ") == "http://127.0.0.1:8000"
+    assert normalize_url("http://host") == "http://host"
+    for bad, why in (("", "empty"), ("http://h:65536", "1..65535"), ("http://h:x", "1..65535"),
+                     ("https://h:1", "http://"), ("http://", "no host")):
+        with pytest.raises(ValueError, match=why):
+            normalize_url(bad)
