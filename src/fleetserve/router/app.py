@@ -39,7 +39,7 @@ from .policies import make_policy
 from .retry import backoff_delay_s
 from .routing_text import routing_text
 from .server import Request, Response, Routes, json_error
-from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from .upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeoutError
 from .workers import Worker, WorkerRegistry, normalize_url
 
 log = logging.getLogger("fleetserve.router")
@@ -252,8 +252,9 @@ class Router:
                                     _forwarded_headers(resp))
             except UpstreamError as e:
                 self._fail(worker)
-                return _Retry(json_error(502, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
-                                         "bad_gateway"))
+                status, kind = (504, "gateway_timeout") if isinstance(e, UpstreamTimeoutError) else (502, "bad_gateway")
+                return _Retry(json_error(status, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
+                                         kind))
             # streaming: from here on bytes reach the client, so no retry
             await self._stream(request, worker, resp)
             return None

@@ -76,6 +76,8 @@ class RouterCollector:
                                   value=r.stats.retries)
         yield CounterMetricFamily("fleetserve_router_no_worker", "Requests answered 503: no available worker",
                                   value=r.stats.no_worker)
+        yield CounterMetricFamily("fleetserve_router_bad_requests", "Requests answered 400: body not a JSON object",
+                                  value=r.stats.bad_requests)
         dec = CounterMetricFamily("fleetserve_router_cache_decisions", "cache_aware decisions", labels=["result"])
         for label, attr in (("hit", "hits"), ("miss", "misses"), ("balanced", "balanced")):
             dec.add_metric([label], getattr(policy, attr, 0))

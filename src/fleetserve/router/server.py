@@ -8,10 +8,13 @@ uvicorn), never by hand.
 
 What it does:
 
-* keep-alive and pipelined requests, answered in order, one handler at a time
-  per connection;
-* ``Expect: 100-continue``; a body over ``max_body`` bytes is answered 413
-  without being buffered, and the connection is closed;
+* keep-alive and pipelined requests, answered in order (errors too), one
+  handler at a time per connection; reading pauses while 32 requests wait or
+  the client does not read its answers;
+* ``Expect: 100-continue``; a body announced over ``max_body`` bytes is
+  answered 413 as soon as the headers are in, never buffered, and the
+  connection is closed; a target over 8 KiB gets 414, headers over 64 KiB
+  431, and a request still incomplete after the idle timeout 408;
 * a handler returns a :class:`Response`, or streams with
   :meth:`Request.start_stream` / :meth:`Request.write` / :meth:`Request.end_stream`
   (chunked transfer encoding, writes wait while the socket buffer is full);
@@ -36,6 +39,10 @@ log = logging.getLogger("fleetserve.router")
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _WRITE_HIGH = 256 * 1024
+MAX_URL_BYTES = 8192  # longer request targets get 414 (aiohttp's and uvicorn's limit is 8190 / 8192 too)
+MAX_HEAD_BYTES = 64 * 1024  # all header names and values of one request; more gets 431
+_MAX_QUEUED = 32  # pipelined requests buffered per connection before reading pauses
+_NO_BODY = frozenset({204, 304})
 
 
 def _status_line(status: int) -> bytes:
@@ -142,6 +149,11 @@ class HttpProtocol(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._too_large = False
+        self._head_size = 0
+        self._dead = False  # answered with an error to be followed by closing: ignore further input
+        self._close_after_body = False
+        self._reading_paused = False
+        self.receiving_since: float | None = None  # a request started and not yet complete
 
     # -- asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -162,11 +174,24 @@ class HttpProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        self._update_reading()
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self._update_reading()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
+
+    def _update_reading(self) -> None:
+        """Back-pressure: stop reading while the client does not read our answers or has too many
+        pipelined requests waiting, so one connection cannot make the router buffer without bound."""
+        pause = self.write_paused or len(self._queue) >= _MAX_QUEUED
+        if pause != self._reading_paused and not self.closed:
+            self._reading_paused = pause
+            if pause:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     async def drain(self) -> None:
         if self.closed:
@@ -176,37 +201,68 @@ class HttpProtocol(asyncio.Protocol):
             await self._drain
 
     def data_received(self, data: bytes) -> None:
+        if self._dead:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._reply_and_close(json_error(400, "protocol upgrades are not supported"))
         except httptools.HttpParserError as e:
-            self._reply_and_close(json_error(400, f"malformed HTTP request: {e}"))
+            if not self._dead:  # (a callback may already have answered, e.g. 414 / 431)
+                self._reply_and_close(json_error(400, f"malformed HTTP request: {e}"))
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
+        if self._dead:
+            return
         self.idle_since = None
+        self.receiving_since = self.loop.time()
         self._url = b""
         self._headers = {}
         self._body = []
         self._size = 0
+        self._head_size = 0
         self._too_large = False
 
     def on_url(self, url: bytes) -> None:
+        if self._dead:
+            return
         self._url += url
+        if len(self._url) > MAX_URL_BYTES:
+            self._reply_and_close(json_error(414, f"request target longer than {MAX_URL_BYTES} bytes"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._dead:
+            return
+        self._head_size += len(name) + len(value)
+        if self._head_size > MAX_HEAD_BYTES:
+            self._reply_and_close(json_error(431, f"request headers longer than {MAX_HEAD_BYTES} bytes"))
+            return
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        if self._dead:
+            return
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            self._too_large = True
-        elif self._headers.get("expect", "").lower() == "100-continue":
+            too_large = json_error(413, f"request body exceeds --max-payload-size {self.max_body} bytes")
+            if self._headers.get("expect", "").lower() == "100-continue":
+                self._reply_and_close(too_large)  # the client waits for our word before sending the body
+            elif self._task is None and not self._queue:
+                # answer now, but read and drop the body before closing: closing with unread
+                # bytes would reset the connection and could destroy the answer on the way
+                self._send(too_large, False)
+                self._too_large = self._close_after_body = True
+            else:
+                self._too_large = True  # answered in turn when the body is complete
+        elif (self._headers.get("expect", "").lower() == "100-continue" and not self._queue
+              and self._task is None):
+            # only when no earlier answer is owed on this connection: a 100 must not overtake a
+            # final response (otherwise the client sends the body after its own wait)
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
-        if self._too_large:
+        if self._too_large or self._dead:
             return
         self._size += len(body)
         if self._size > self.max_body:
@@ -216,23 +272,35 @@ class HttpProtocol(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._too_large:
-            self._queue.append(json_error(413, f"request body exceeds --max-payload-size {self.max_body} bytes"))
-            self._queue.append(None)  # then close
+        if self._dead:
+            return
+        self.receiving_since = None
+        if self._close_after_body:  # the 413 went out already
+            self._dead = True
+            self.transport.close()
+            return
+        if self._too_large:  # a body that outgrew the limit
+            self._reply_and_close(json_error(413, f"request body exceeds --max-payload-size {self.max_body} bytes"))
+            return
         else:
             url = self._url.decode("latin-1")
+            if url.startswith(("http://", "https://")):  # absolute form (RFC 9112 3.2.2): keep path and query
+                url = "/" + url.split("://", 1)[1].partition("/")[2]
             path, _, query = url.partition("?")
             body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
             self._queue.append(Request(self, self.parser.get_method().decode("latin-1"), path, query,
                                        self._headers, body, self.parser.should_keep_alive()))
         if self._task is None:
             self._task = self.loop.create_task(self._serve_queue())
+        self._update_reading()
 
     # -- handling
     async def _serve_queue(self) -> None:
         try:
             while self._queue and not self.closed:
                 item = self._queue.popleft()
+                if self._reading_paused:
+                    self._update_reading()
                 if item is None:
                     self.transport.close()
                     return
@@ -278,8 +346,12 @@ class HttpProtocol(asyncio.Protocol):
 
     def _send(self, resp: Response, keep_alive: bool) -> None:
         body = resp.body
-        parts = [_status_line(resp.status), b"Content-Type: ", resp.content_type.encode("latin-1"),
-                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
+        if resp.status in _NO_BODY:  # no body, so no Content-Length or Content-Type (RFC 9110 8.6, 15.3.5)
+            body = b""
+            parts = [_status_line(resp.status)]
+        else:
+            parts = [_status_line(resp.status), b"Content-Type: ", resp.content_type.encode("latin-1"),
+                     b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         if resp.headers:
             for k, v in resp.headers:
                 parts += [k.encode("latin-1"), b": ", v.encode("latin-1"), b"\r\n"]
@@ -289,9 +361,19 @@ class HttpProtocol(asyncio.Protocol):
         self.transport.write(b"".join(parts))
 
     def _reply_and_close(self, resp: Response) -> None:
-        if not self.closed:
+        """Answer ``resp`` after any answers still owed on this connection, then close it; read no more."""
+        if self.closed or self._dead:
+            return
+        self._dead = True
+        self.receiving_since = None
+        if self._task is None and not self._queue:
             self._send(resp, False)
             self.transport.close()
+            return
+        self._queue.append(resp)
+        self._queue.append(None)  # then close
+        if self._task is None:
+            self._task = self.loop.create_task(self._serve_queue())
 
 
 class Routes:
@@ -305,7 +387,8 @@ class Routes:
 
 
 async def _close_idle(live: set[HttpProtocol], idle_timeout_s: float) -> None:
-    """Close client connections that sat idle (no request in progress) for ``idle_timeout_s``."""
+    """Close client connections that sat idle (no request in progress) for ``idle_timeout_s``, and
+    those still sending one request after ``idle_timeout_s`` (a slow or stalled client, slowloris)."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(max(0.05, idle_timeout_s / 4))
@@ -314,6 +397,9 @@ async def _close_idle(live: set[HttpProtocol], idle_timeout_s: float) -> None:
             since = proto.idle_since
             if since is not None and proto._task is None and now - since > idle_timeout_s:
                 proto.transport.close()
+            started = proto.receiving_since
+            if started is not None and now - started > idle_timeout_s:
+                proto._reply_and_close(json_error(408, f"request not received within {idle_timeout_s:g} s"))
 
 
 async def start_server(routes: Routes, host: str, port: int, max_body: int, backlog: int = 1024,
@@ -327,15 +413,16 @@ async def start_server(routes: Routes, host: str, port: int, max_body: int, back
     live: set[HttpProtocol] = set()
     server = await loop.create_server(lambda: HttpProtocol(routes.table, max_body, live), host, port,
                                       backlog=backlog, reuse_address=True)
-    return ListeningServer(server, loop.create_task(_close_idle(live, idle_timeout_s)))
+    return ListeningServer(server, loop.create_task(_close_idle(live, idle_timeout_s)), live)
 
 
 class ListeningServer:
     """A started server: ``sockets`` as in ``asyncio.Server``; ``close()`` stops listening and the idle reaper."""
 
-    def __init__(self, server: asyncio.Server, reaper: asyncio.Task) -> None:
+    def __init__(self, server: asyncio.Server, reaper: asyncio.Task, live: set[HttpProtocol]) -> None:
         self.server = server
         self.reaper = reaper
+        self.live = live  # the open client connections
 
     @property
     def sockets(self):

@@ -83,7 +83,8 @@ async def test_load_counters_return_to_zero(procs):
         assert (await post(s, router + "/generate", {"text": "e", "fake_status": 422}))[0] == 422
         # timeouts (non-streaming and streaming)
         status, body = await post(s, router + "/generate", {"text": "slow", "fake_sleep": 3})
-        assert status == 502 and "TimeoutError" in body["error"]["message"]
+        assert status == 504 and "TimeoutError" in body["error"]["message"]
+        assert body["error"]["type"] == "gateway_timeout"
         async with s.post(router + "/generate", json={"text": "slow stream", "stream": True, "fake_chunks": 10,
                                                       "fake_chunk_delay": 0.5}, timeout=T) as r:
             await r.read()  # cut short by the router's 1 s limit
@@ -196,6 +197,7 @@ async def test_errors_health_and_info_endpoints(procs, tmp_path):
             assert r.status == 400 and err["code"] == 400 and err["param"] is None
         async with s.post(router + "/v1/completions", data=b"[1, 2]", timeout=T) as r:
             assert r.status == 400
+        assert await metric(s, router, "fleetserve_router_bad_requests_total") == 2
         async with s.post(router + "/v1/completions", json={"prompt": "x" * 5000}, timeout=T) as r:
             assert r.status == 413 and "max-payload-size" in (await r.json())["error"]["message"]
         # a 4xx passes through unchanged and is not a worker failure

@@ -244,3 +244,90 @@ async def test_upstream_keeps_repeated_headers():
     resp.release()
     pool.close()
     srv.close()
+
+
+async def _read_all(port, raw: bytes, timeout: float = 5) -> bytes:
+    """Send ``raw`` and read until the server closes the connection."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(raw)
+    data = b""
+    while chunk := await asyncio.wait_for(r.read(65536), timeout):
+        data += chunk
+    w.close()
+    return data
+
+
+@pytest.mark.timeout(20)
+async def test_oversized_target_headers_and_announced_body_are_refused_early():
+    from fleetserve.router.server import MAX_HEAD_BYTES, MAX_URL_BYTES
+
+    srv, port = await serve(max_body=100)
+    long_url = await _read_all(port, b"GET /" + b"a" * (MAX_URL_BYTES + 10) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert long_url.startswith(b"HTTP/1.1 414") and b'"code":414' in long_url
+    big_head = await _read_all(port, b"GET /health HTTP/1.1\r\nX-Big: " + b"h" * MAX_HEAD_BYTES + b"\r\n\r\n")
+    assert big_head.startswith(b"HTTP/1.1 431")
+    # a client that announces too big a body and waits for 100 Continue gets the 413 without sending it
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5000000\r\n\r\n")
+    early = await asyncio.wait_for(r.read(65536), 2)
+    assert early.startswith(b"HTTP/1.1 413") and b"Connection: close" in early
+    w.close()
+    # without Expect the 413 also goes out before the body is complete
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n" + b"x" * 100)
+    assert (await asyncio.wait_for(r.read(65536), 2)).startswith(b"HTTP/1.1 413")
+    w.close()
+    srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_errors_and_100_continue_wait_for_answers_already_owed():
+    srv, port = await serve()
+    # a slow request, then garbage on the same connection: the slow one is still answered, first
+    two = await _read_all(port, b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\nGARBAGE\r\n\r\n",
+                          timeout=10)
+    assert two.startswith(b"HTTP/1.1 200 OK") and two.count(b"HTTP/1.1 ") == 2 and b"HTTP/1.1 400" in two
+    # Expect: 100-continue on a pipelined second request does not overtake the first answer
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+    await asyncio.sleep(0.3)
+    w.write(b"hi")
+    data = b""
+    while data.count(b"HTTP/1.1 200") < 2:
+        data += await asyncio.wait_for(r.read(65536), 10)
+    assert data.startswith(b"HTTP/1.1 200 OK") and b"100 Continue" not in data and b'"n":2' in data
+    w.close()
+    srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_absolute_form_target_204_and_a_stalled_request():
+    routes = Routes()
+    routes.add("POST", "/echo", echo)
+    routes.add("POST", "/empty", lambda req: asyncio.sleep(0, Response(204)))
+    srv = await start_server(routes, "127.0.0.1", 0, 100, idle_timeout_s=0.4)
+    port = srv.sockets[0].getsockname()[1]
+    absolute = await exchange(port, b"POST http://x/echo?a=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\na")
+    assert absolute.startswith(b"HTTP/1.1 200") and b'"path":"/echo"' in absolute
+    empty = await exchange(port, b"POST /empty HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    assert empty.startswith(b"HTTP/1.1 204") and b"Content-Length" not in empty
+    # slowloris: headers never finished -> 408 and closed after the idle timeout
+    stalled = await _read_all(port, b"POST /echo HTTP/1.1\r\nHost: x\r\n")
+    assert stalled.startswith(b"HTTP/1.1 408")
+    srv.close()
+
+
+@pytest.mark.timeout(30)
+async def test_pipelined_flood_is_throttled_not_buffered():
+    srv, port = await serve()
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    one = b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n"
+    w.write(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" + one * 50_000)  # 1.3 MB
+    await asyncio.sleep(1.0)
+    (proto,) = srv.live
+    # reading stopped once the queue was full: what was parsed is bounded by one socket read,
+    # not by what the client sends (it used to parse and queue all 50,000)
+    assert proto._reading_paused and len(proto._queue) < 50_000 // 4
+    w.close()
+    srv.close()
