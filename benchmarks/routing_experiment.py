@@ -352,7 +352,8 @@ def main() -> None:
     sub = p.add_subparsers(dest="part", required=True)
     s = sub.add_parser("sim")
     s.add_argument("--workers", type=int, nargs="+", default=[8, 16])
-    s.add_argument("--workloads", nargs="+", default=["shared_prefix", "multi_turn"])
+    s.add_argument("--workloads", nargs="+", default=["shared_prefix", "multi_turn"],
+                   choices=["shared_prefix", "multi_turn"])
     s.add_argument("--time-scale", type=float, default=8.0)
     s.add_argument("--stream-interval", type=int, default=16)
     s.add_argument("--max-total-tokens", type=int, default=430_000)
@@ -369,7 +370,8 @@ def main() -> None:
     e = sub.add_parser("engine")
     e.add_argument("--instances", type=int, default=2)
     e.add_argument("--engine-args", default="--max-total-tokens 8192")
-    e.add_argument("--workloads", nargs="+", default=["shared_prefix", "multi_turn"])
+    e.add_argument("--workloads", nargs="+", default=["shared_prefix", "multi_turn"],
+                   choices=["shared_prefix", "multi_turn"])
     e.add_argument("--groups", type=int, default=4)
     e.add_argument("--prompts-per-group", type=int, default=4)
     e.add_argument("--system-len", type=int, default=512)
@@ -393,7 +395,7 @@ def main() -> None:
         q.add_argument("--bounded-load", type=float, nargs="*", default=[],
                        help="also run our cache_aware with each of these --bounded-load-factor values")
     a = p.parse_args()
-    counts = ("workers", "instances", "max_concurrency", "max_concurrency_per_worker", "threads_per_instance",
+    counts = ("workers", "instances", "stream_interval", "max_total_tokens", "max_concurrency", "max_concurrency_per_worker", "threads_per_instance",
               "groups", "prompts_per_group", "system_len", "conversations", "turns", "question_len", "output_len")
     for name in counts:
         v = getattr(a, name, None)
@@ -406,9 +408,17 @@ def main() -> None:
         v = getattr(a, name, None)
         if v is not None and not v > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    if a.part == "engine":
+        try:
+            shlex.split(a.engine_args)
+        except ValueError as e:
+            p.error(f"--engine-args: {e}")
     a.argv = sys.argv[2:]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop workers, router
-    (sim_part if a.part == "sim" else engine_part)(a)
+    try:
+        (sim_part if a.part == "sim" else engine_part)(a)
+    except RuntimeError as e:  # a worker or router that would not start or died: its log says why
+        sys.exit(f"routing_experiment: {e} (process logs in {a.log_dir})")
 
 
 if __name__ == "__main__":
