@@ -399,7 +399,10 @@ async def _close_idle(live: set[HttpProtocol], idle_timeout_s: float) -> None:
                 proto.transport.close()
             started = proto.receiving_since
             if started is not None and now - started > idle_timeout_s:
-                proto._reply_and_close(json_error(408, f"request not received within {idle_timeout_s:g} s"))
+                if proto._close_after_body:  # answered 413 already; the announced body never came
+                    proto.transport.close()
+                else:
+                    proto._reply_and_close(json_error(408, f"request not received within {idle_timeout_s:g} s"))
 
 
 async def start_server(routes: Routes, host: str, port: int, max_body: int, backlog: int = 1024,

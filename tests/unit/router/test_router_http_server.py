@@ -331,3 +331,14 @@ async def test_pipelined_flood_is_throttled_not_buffered():
     assert proto._reading_paused and len(proto._queue) < 50_000 // 4
     w.close()
     srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_a_413_client_that_never_sends_its_body_is_closed_without_a_second_answer():
+    routes = Routes()
+    routes.add("POST", "/echo", echo)
+    srv = await start_server(routes, "127.0.0.1", 0, 100, idle_timeout_s=0.4)
+    port = srv.sockets[0].getsockname()[1]
+    data = await _read_all(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n" + b"x" * 10)
+    assert data.startswith(b"HTTP/1.1 413") and data.count(b"HTTP/1.1 ") == 1
+    srv.close()
