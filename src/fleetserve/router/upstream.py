@@ -41,7 +41,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers", "chunks", "buffered", "done",
                  "error", "head_waiter", "body_waiter", "keep_alive", "got_bytes", "closed", "paused",
-                 "interim", "extra", "in_pool", "header_pairs")
+                 "interim", "extra", "in_pool", "header_pairs", "head_done")
 
     def __init__(self, pool: "UpstreamPool", key: str) -> None:
         self.pool = pool
@@ -67,6 +67,7 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.interim = False  # inside a 1xx interim response (100 Continue, 103 Early Hints)
         self.extra = False  # bytes after the answer: a second response nobody asked for
+        self.head_done = False  # the final answer's header section is complete (later fields are trailers)
 
     # -- asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -109,7 +110,7 @@ class _Conn(asyncio.Protocol):
             self.status = self.parser.get_status_code()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.extra:
+        if self.extra or self.head_done:  # chunked trailer fields are not headers (RFC 9110 6.5.2): drop them
             return
         key = name.decode("latin-1").lower()
         old = self.headers.get(key)
@@ -133,6 +134,7 @@ class _Conn(asyncio.Protocol):
             self.header_pairs = []
             return
         self.status = status
+        self.head_done = True
         self.keep_alive = self.parser.should_keep_alive()
         w = self.head_waiter
         if w is not None and not w.done():

@@ -16,8 +16,9 @@ from .circuit_breaker import CircuitBreaker
 def normalize_url(url: str) -> str:
     """``host:port`` or ``http://host:port/`` -> ``http://host:port``.
 
-    Raises ``ValueError`` for an empty URL, a scheme other than ``http``, no
-    host, or a port that is not an integer in 1..65535.
+    Scheme and host are lower-cased, so one worker has one name.  Raises
+    ``ValueError`` for an empty URL, a scheme other than ``http``, no host, a
+    path, query, fragment or user part, or a port that is not an integer in 1..65535.
     """
     url = url.strip()
     if not url:
@@ -26,17 +27,22 @@ def normalize_url(url: str) -> str:
         url = "http://" + url
     url = url.rstrip("/")
     u = urlsplit(url)
-    if u.scheme != "http":
+    if u.scheme.lower() != "http":
         raise ValueError(f"{url!r}: only plain http:// workers are supported")
     if not u.hostname:
         raise ValueError(f"{url!r}: no host")
+    if u.path or u.query or u.fragment or "@" in u.netloc:
+        # requests go to host:port + the API path, so anything else would be ignored by the
+        # proxy but not by health checks, and would let one worker register under two names
+        raise ValueError(f"{url!r}: give only http://host:port (no path, query, fragment or user)")
     try:
         port = u.port
     except ValueError:
         raise ValueError(f"{url!r}: the port must be an integer in 1..65535") from None
     if port == 0:
         raise ValueError(f"{url!r}: the port must be an integer in 1..65535")
-    return url
+    host = u.hostname if ":" not in u.hostname else f"[{u.hostname}]"  # lower case; IPv6 in brackets
+    return f"http://{host}" + ("" if port is None else f":{port}")
 
 
 class Worker:

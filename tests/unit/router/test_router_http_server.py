@@ -342,3 +342,18 @@ async def test_a_413_client_that_never_sends_its_body_is_closed_without_a_second
     data = await _read_all(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n" + b"x" * 10)
     assert data.startswith(b"HTTP/1.1 413") and data.count(b"HTTP/1.1 ") == 1
     srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_upstream_drops_chunked_trailers():
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Head: 1\r\n\r\n"
+               b"2\r\n{}\r\n0\r\nX-Trailer: 1\r\n\r\n")
+    srv, base, _ = await _raw_worker([chunked])
+    pool = UpstreamPool(timeout_s=5)
+    resp = await pool.post(base, "/x", b"{}")
+    assert await resp.read() == b"{}"
+    assert "x-trailer" not in resp.headers and ("x-head", "1") in resp.header_pairs
+    assert all(k != "x-trailer" for k, _ in resp.header_pairs)
+    resp.release()
+    pool.close()
+    srv.close()

@@ -97,7 +97,11 @@ def test_worker_urls_are_normalized_or_refused_with_the_reason():
 
     assert normalize_url(" 127.0.0.1:8000/ ") == "http://127.0.0.1:8000"
     assert normalize_url("http://host") == "http://host"
+    # one worker, one name: scheme and host case do not make a second worker
+    assert normalize_url("HTTP://LocalHost:8000") == "http://localhost:8000"
+    assert normalize_url("http://[::1]:8000/") == "http://[::1]:8000"
     for bad, why in (("", "empty"), ("http://h:65536", "1..65535"), ("http://h:x", "1..65535"),
-                     ("https://h:1", "http://"), ("http://", "no host")):
+                     ("https://h:1", "http://"), ("http://", "no host"), ("http://h:1?x=1", "no path"),
+                     ("http://h:1/v1", "no path"), ("http://h:1#f", "no path"), ("http://u@h:1", "no path")):
         with pytest.raises(ValueError, match=why):
             normalize_url(bad)
