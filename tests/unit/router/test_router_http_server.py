@@ -24,12 +24,17 @@ async def slow(req):
     return Response(200, b"{}")
 
 
-async def serve(max_body=100):
+async def empty(req):
+    return Response(204)
+
+
+async def serve(max_body=100, idle_timeout_s=75.0):
     routes = Routes()
     routes.add("POST", "/echo", echo)
     routes.add("POST", "/stream", stream)
     routes.add("POST", "/slow", slow)
-    srv = await start_server(routes, "127.0.0.1", 0, max_body)
+    routes.add("POST", "/empty", empty)
+    srv = await start_server(routes, "127.0.0.1", 0, max_body, idle_timeout_s=idle_timeout_s)
     return srv, srv.sockets[0].getsockname()[1]
 
 
@@ -126,10 +131,7 @@ async def test_upstream_reconnects_when_the_worker_dropped_an_idle_connection():
 
 @pytest.mark.timeout(20)
 async def test_idle_client_connections_are_closed():
-    routes = Routes()
-    routes.add("POST", "/echo", echo)
-    srv = await start_server(routes, "127.0.0.1", 0, 100, idle_timeout_s=0.3)
-    port = srv.sockets[0].getsockname()[1]
+    srv, port = await serve(idle_timeout_s=0.3)
     r, w = await asyncio.open_connection("127.0.0.1", port)
     w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\na")
     assert (await asyncio.wait_for(r.readuntil(b'"n":1}'), 5)).startswith(b"HTTP/1.1 200")
@@ -303,11 +305,7 @@ async def test_errors_and_100_continue_wait_for_answers_already_owed():
 
 @pytest.mark.timeout(20)
 async def test_absolute_form_target_204_and_a_stalled_request():
-    routes = Routes()
-    routes.add("POST", "/echo", echo)
-    routes.add("POST", "/empty", lambda req: asyncio.sleep(0, Response(204)))
-    srv = await start_server(routes, "127.0.0.1", 0, 100, idle_timeout_s=0.4)
-    port = srv.sockets[0].getsockname()[1]
+    srv, port = await serve(idle_timeout_s=0.4)
     absolute = await exchange(port, b"POST http://x/echo?a=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\na")
     assert absolute.startswith(b"HTTP/1.1 200") and b'"path":"/echo"' in absolute
     empty = await exchange(port, b"POST /empty HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
@@ -321,7 +319,7 @@ async def test_absolute_form_target_204_and_a_stalled_request():
 @pytest.mark.timeout(30)
 async def test_pipelined_flood_is_throttled_not_buffered():
     srv, port = await serve()
-    r, w = await asyncio.open_connection("127.0.0.1", port)
+    _, w = await asyncio.open_connection("127.0.0.1", port)
     one = b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n"
     w.write(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" + one * 50_000)  # 1.3 MB
     await asyncio.sleep(1.0)
@@ -335,10 +333,7 @@ async def test_pipelined_flood_is_throttled_not_buffered():
 
 @pytest.mark.timeout(20)
 async def test_a_413_client_that_never_sends_its_body_is_closed_without_a_second_answer():
-    routes = Routes()
-    routes.add("POST", "/echo", echo)
-    srv = await start_server(routes, "127.0.0.1", 0, 100, idle_timeout_s=0.4)
-    port = srv.sockets[0].getsockname()[1]
+    srv, port = await serve(idle_timeout_s=0.4)
     data = await _read_all(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n" + b"x" * 10)
     assert data.startswith(b"HTTP/1.1 413") and data.count(b"HTTP/1.1 ") == 1
     srv.close()
