@@ -133,13 +133,18 @@ def test_make_policy_reads_config():
 
 
 # ---------------------------------------------------------------- bounded load
-def test_bounded_load_keeps_the_owner_while_it_is_under_the_cap():
-    # loads 3, 2, 1: total 6, cap = ceil(1.5 * 7 / 3) = 4; owner w0 would reach 4 <= 4
-    p = CacheAwarePolicy(bounded_load_factor=1.5, bounded_load_slack=0)
-    ws = workers(3, 2, 1)
-    p.tree.insert("system prompt of group one", "http://w0")
-    assert p.select(ws, "system prompt of group one, question").url == "http://w0"
-    assert (p.hits, p.misses, p.balanced) == (1, 0, 0)
+@pytest.mark.parametrize("factor, loads, owned, text, chosen, counters", [
+    # loads 3, 2, 1: total 6, cap = ceil(1.5 * 7 / 3) = 4; owner w0 would reach 4 <= 4: it keeps the request
+    (1.5, (3, 2, 1), "system prompt of group one", "system prompt of group one, question", "http://w0", (1, 0, 0)),
+    # the only owner is over the cap and nobody else matches enough: a miss among candidates.
+    # total 8, cap = ceil(9 / 3) = 3: w0 (4 + 1 > 3) is out; w1, w2 tie at 2 -> smaller tree (both 0) -> w1
+    (1.0, (4, 2, 2), "abcdefgh", "abcdefgh", "http://w1", (0, 1, 1)),
+], ids=["owner-under-cap", "owner-over-cap-miss"])
+def test_bounded_load_owner_under_and_over_the_cap(factor, loads, owned, text, chosen, counters):
+    p = CacheAwarePolicy(bounded_load_factor=factor, bounded_load_slack=0)
+    p.tree.insert(owned, "http://w0")
+    assert p.select(workers(*loads), text).url == chosen
+    assert (p.hits, p.misses, p.balanced) == counters
 
 
 def test_bounded_load_spills_a_hot_prefix_to_the_next_best_match():
@@ -155,16 +160,6 @@ def test_bounded_load_spills_a_hot_prefix_to_the_next_best_match():
     assert (p.hits, p.balanced) == (1, 1)
     # the text is now under w1 too: the next request of the group matches w1 fully
     assert p.tree.prefix_match_tenant(text, "http://w1") == len(text)
-
-
-def test_bounded_load_miss_goes_to_least_loaded_candidate():
-    # the only owner is over the cap and nobody else matches enough: a miss among candidates
-    p = CacheAwarePolicy(bounded_load_factor=1.0, bounded_load_slack=0)
-    ws = workers(4, 2, 2)
-    p.tree.insert("abcdefgh", "http://w0")
-    # total 8, cap = ceil(9 / 3) = 3: w0 (4 + 1 > 3) is out; w1, w2 tie at 2 -> smaller tree (both 0) -> w1
-    assert p.select(ws, "abcdefgh").url == "http://w1"
-    assert (p.hits, p.misses, p.balanced) == (0, 1, 1)
 
 
 def test_bounded_load_never_lets_a_worker_exceed_the_cap():
