@@ -12,7 +12,7 @@ Part 1 (measured): a small DeepSeek-V3-shaped model with random weights
 Every layout serves the same requests (``--requests`` prompts of
 ``--prompt-len`` tokens, ``--new-tokens`` greedy tokens each, all arriving at
 once; under DP attention half go to each rank) through the real scheduler and
-model runner (:mod:`fleetserve.distributed.rank_engine`). Reported: decode
+model runner (:mod:`fleetserve.testing.rank_engine`). Reported: decode
 tokens/s of the instance (tokens generated in DECODE steps / wall time of
 those steps on rank 0), output tokens/s over the whole run, and the mean
 per-decode-step time rank 0 spent inside collectives (gloo, synchronous, so
@@ -89,7 +89,7 @@ def bench_job(rank: int, world: int, model_dir: str, sizes: dict, prompts: list[
     import torch
 
     from fleetserve.distributed import comm_stats, rank_pool
-    from fleetserve.distributed.rank_engine import build_rank_engine, drive
+    from fleetserve.testing.rank_engine import build_rank_engine, drive
     from fleetserve.engine.io_struct import TokenizedGenerateReq
     from fleetserve.engine.sampling_params import SamplingParams
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print only, do not touch docs/benchmarks.md")
     a = ap.parse_args(argv)
 
-    from fleetserve.distributed.rank_pool import RankPool
+    from fleetserve.testing.rank_pool import RankPool
 
     prompts = workload(a.requests, a.prompt_len)
     results: dict[str, dict] = {}

@@ -85,12 +85,12 @@ def hf_smollm2(smollm2_path):
 
 
 # --------------------------------------------------------------- gloo rank pools
-# Persistent 2- and 4-rank gloo pools (fleetserve.distributed.rank_pool), started
+# Persistent 2- and 4-rank gloo pools (fleetserve.testing.rank_pool), started
 # once per session and shared by the parallel unit and integration tests: a pool
 # only runs stateless jobs, so both areas can use the same ranks.
 @pytest.fixture(scope="session")
 def pool2():
-    from fleetserve.distributed.rank_pool import RankPool
+    from fleetserve.testing.rank_pool import RankPool
 
     with RankPool(world_size=2, timeout_s=30) as pool:
         yield pool
@@ -98,7 +98,7 @@ def pool2():
 
 @pytest.fixture(scope="session")
 def pool4():
-    from fleetserve.distributed.rank_pool import RankPool
+    from fleetserve.testing.rank_pool import RankPool
 
     with RankPool(world_size=4, timeout_s=30) as pool:
         yield pool

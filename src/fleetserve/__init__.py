@@ -18,7 +18,7 @@ __all__ = ["Engine", "__version__"]
 
 def __getattr__(name: str):
     if name == "Engine":
-        from fleetserve.engine.engine import Engine
+        from fleetserve.entrypoints.engine import Engine
 
         return Engine
     raise AttributeError(f"module 'fleetserve' has no attribute {name!r}")

@@ -11,8 +11,8 @@ import sys
 
 # subcommand -> (module, help). Each module exposes ``main(argv: list[str]) -> int | None``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("fleetserve.engine.launch_server", "run one engine instance (OpenAI-compatible HTTP API)"),
-    "router": ("fleetserve.router.launch_router", "run the cache-aware load balancer"),
+    "serve": ("fleetserve.entrypoints.serve", "run one engine instance (OpenAI-compatible HTTP API)"),
+    "router": ("fleetserve.router.cli", "run the cache-aware load balancer"),
     "launch": ("fleetserve.launch", "start a router plus N engine instances"),
     "bench": ("fleetserve.bench.cli", "drive a workload against an OpenAI-compatible URL"),
     "sim-worker": ("fleetserve.bench.sim_worker", "run a simulated engine worker (radix cache + timing model)"),

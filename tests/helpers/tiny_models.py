@@ -90,7 +90,7 @@ def save_byte_tokenizer(out_dir: str) -> None:
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     # ByteLevel maps byte b to a printable character; order the vocab by byte value.
-    from fleetserve.engine.tokenizer_manager import byte_decoder
+    from fleetserve.entrypoints.tokenizer_manager import byte_decoder
 
     table = byte_decoder()
     assert set(table) == set(byte_chars)

@@ -5,7 +5,7 @@ either admits new requests and runs one prefill (extend) step over their
 uncached tokens, or runs one decode step for every running request. Prefix
 reuse and KV capacity use the engine's own
 :class:`fleetserve.engine.radix_cache.RadixCache` over a
-:class:`~fleetserve.engine.kv_pool.TokenSlotAllocator` of
+:class:`~fleetserve.core.kv_pool.TokenSlotAllocator` of
 ``max_total_tokens`` slots, so hit counts and LRU eviction are the engine's.
 Only the *duration* of a step comes from :class:`TimingModel`; the loop sleeps
 until ``step start + modelled duration``, so the Python work of the step is

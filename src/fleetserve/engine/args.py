@@ -23,9 +23,10 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from fleetserve.distributed.groups import MOE_A2A_BACKENDS
+
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-MOE_A2A_BACKENDS = ("allgather", "all_to_all")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from fleetserve.distributed.parallel_state import SINGLE, ParallelState
-from fleetserve.engine.forward_batch import ForwardBatch
-from fleetserve.engine.kv_pool import TokenSlotAllocator
+from fleetserve.core.forward_batch import ForwardBatch
+from fleetserve.core.kv_pool import TokenSlotAllocator
 from fleetserve.layers.attention import AttentionMetadata
 from fleetserve.models.config import architecture, is_gguf, load_model_config, resolve_dtype
 from fleetserve.models.loader import open_weight_source, run_loaders

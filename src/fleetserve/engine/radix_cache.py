@@ -6,7 +6,7 @@ spells a token sequence whose KV is already computed and stored in the pool.
 
 Ownership of KV slots (the invariant :func:`check_kv_invariant` verifies):
 
-* **free**: in the :class:`~fleetserve.engine.kv_pool.TokenSlotAllocator` free list;
+* **free**: in the :class:`~fleetserve.core.kv_pool.TokenSlotAllocator` free list;
 * **cached**: in the tree; *protected* while some request holds a lock on a
   node at or below it (``lock_ref > 0``), *evictable* otherwise;
 * **in use**: owned privately by a running request (computed but not yet
@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from fleetserve.engine.kv_pool import TokenSlotAllocator
+from fleetserve.core.kv_pool import TokenSlotAllocator
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fleetserve.engine.forward_batch import ForwardBatch, ForwardMode
+from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
 from fleetserve.engine.req import Req
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from fleetserve.engine.args import ServerArgs
-from fleetserve.engine.forward_batch import ForwardMode
+from fleetserve.core.forward_batch import ForwardMode
 from fleetserve.engine.io_struct import ReqOutput, SchedulerStats, TokenizedGenerateReq
 from fleetserve.engine.radix_cache import RadixCache, check_kv_invariant
 from fleetserve.engine.req import Req

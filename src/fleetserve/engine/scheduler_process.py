@@ -223,7 +223,7 @@ def launch_scheduler(args: ServerArgs, input_endpoint: str, output_endpoint: str
 
     Returns:
         ``([process], [ready_reader])``: the reader yields the handshake dict described
-        in the module docstring. (Several ranks: ``fleetserve.distributed.rank_process``.)
+        in the module docstring. (Several ranks: ``fleetserve.engine.rank_process``.)
     """
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetserve.engine.forward_batch import ForwardBatch, ForwardMode
-from fleetserve.engine.kv_pool import MHAKVPool
+from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
+from fleetserve.core.kv_pool import MHAKVPool
 from fleetserve.layers.linear import ColumnParallelLinear, RowParallelLinear, TPGroup, NO_TP
 from fleetserve.layers.rotary import RotaryEmbedding
 

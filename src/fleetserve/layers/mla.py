@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetserve.engine.forward_batch import ForwardMode
-from fleetserve.engine.kv_pool import MLAKVPool
+from fleetserve.core.forward_batch import ForwardMode
+from fleetserve.core.kv_pool import MLAKVPool
 from fleetserve.layers.attention import AttentionMetadata, attend, gather_rows
 from fleetserve.layers.linear import NO_TP, ColumnParallelLinear, RowParallelLinear, TPGroup
 from fleetserve.layers.norm import RMSNorm

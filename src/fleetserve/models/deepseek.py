@@ -23,7 +23,7 @@ from torch import nn
 
 from fleetserve.distributed.dp_attention import gather_tokens, scatter_tokens
 from fleetserve.distributed.parallel_state import SINGLE, ParallelState
-from fleetserve.engine.kv_pool import MLAKVPool
+from fleetserve.core.kv_pool import MLAKVPool
 from fleetserve.layers.attention import AttentionMetadata
 from fleetserve.layers.linear import attn_tp_group, full_tp_group
 from fleetserve.layers.mla import MLAttention

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fleetserve.distributed.parallel_state import SINGLE, ParallelState
-from fleetserve.engine.kv_pool import MHAKVPool
+from fleetserve.core.kv_pool import MHAKVPool
 from fleetserve.layers.attention import AttentionMetadata, MHAttention
 from fleetserve.layers.linear import attn_tp_group, full_tp_group
 from fleetserve.layers.mlp import GatedMLP

@@ -38,8 +38,8 @@ from .metrics import RouterStats, make_registry, render
 from .policies import make_policy
 from .retry import backoff_delay_s
 from .routing_text import routing_text
-from .server import Request, Response, Routes, json_error
-from .upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeoutError
+from .http.server import Request, Response, Routes, json_error
+from .http.client import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeoutError
 from .workers import Worker, WorkerRegistry, normalize_url
 
 log = logging.getLogger("fleetserve.router")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fleetserve.engine.model_runner import ModelRunner
-from fleetserve.engine.kv_pool import MHAKVPool, MLAKVPool
+from fleetserve.core.kv_pool import MHAKVPool, MLAKVPool
 from helpers.parity import greedy_generate, greedy_matches_teacher_forced, hf_greedy, max_diff_extend_and_decode
 
 KINDS = ["tiny_deepseek_v2_dir", "tiny_deepseek_v2_greedy_dir", "tiny_deepseek_v3_dir", "tiny_llama_dir"]

@@ -18,7 +18,7 @@ from fleetserve.bench.timing_model import TimingModel
 from fleetserve.bench.workloads import multi_turn, shared_prefix
 from fleetserve.engine.args import ServerArgs
 from fleetserve.engine.io_struct import TokenizedGenerateReq
-from fleetserve.engine.kv_pool import TokenSlotAllocator
+from fleetserve.core.kv_pool import TokenSlotAllocator
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.scheduler import Scheduler
 

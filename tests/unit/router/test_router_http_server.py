@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from fleetserve.router.server import Response, Routes, start_server
-from fleetserve.router.upstream import UpstreamError, UpstreamPool, UpstreamTimeoutError
+from fleetserve.router.http.server import Response, Routes, start_server
+from fleetserve.router.http.client import UpstreamError, UpstreamPool, UpstreamTimeoutError
 
 
 async def echo(req):
@@ -261,7 +261,7 @@ async def _read_all(port, raw: bytes, timeout: float = 5) -> bytes:
 
 @pytest.mark.timeout(20)
 async def test_oversized_target_headers_and_announced_body_are_refused_early():
-    from fleetserve.router.server import MAX_HEAD_BYTES, MAX_URL_BYTES
+    from fleetserve.router.http.server import MAX_HEAD_BYTES, MAX_URL_BYTES
 
     srv, port = await serve(max_body=100)
     long_url = await _read_all(port, b"GET /" + b"a" * (MAX_URL_BYTES + 10) + b" HTTP/1.1\r\nHost: x\r\n\r\n")

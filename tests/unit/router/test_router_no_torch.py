@@ -5,7 +5,7 @@ import sys
 
 
 def test_router_modules_do_not_import_torch():
-    code = ("import sys; import fleetserve.router.launch_router, fleetserve.router.app, "
+    code = ("import sys; import fleetserve.router.cli, fleetserve.router.app, "
             "fleetserve.router.metrics, fleetserve.router.health; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -1,0 +1,94 @@
+"""``fleetserve router``: parse flags, wait for the workers, serve until SIGINT/SIGTERM.
+
+On SIGINT/SIGTERM it stops accepting connections and waits up to
+``--shutdown-grace-period-secs`` for the requests in flight to finish.
+
+Exit codes: 0 after a clean stop, 1 if a ``--worker-urls`` worker never became
+healthy within ``--worker-startup-timeout-secs``, 2 on bad flags (argparse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+import sys
+
+from .app import Router
+from .config import RouterConfig, parse_args
+from .http.server import Routes, start_server
+
+log = logging.getLogger("fleetserve.router")
+
+
+async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> int:
+    """Run the router until ``stop`` is set (or a signal arrives); returns the exit code."""
+    router = Router(cfg)
+    await router.start()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
+            pass
+    servers = []
+    try:
+        if cfg.worker_urls:
+            log.info("waiting up to %g s for %d worker(s) to become healthy: %s", cfg.worker_startup_timeout_secs,
+                     len(cfg.worker_urls), " ".join(cfg.worker_urls))
+        # a signal must stop the wait too (it can last --worker-startup-timeout-secs, 1800 s by default)
+        adding = asyncio.ensure_future(router.add_initial_workers())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((adding, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not adding.done():
+            adding.cancel()
+            await asyncio.gather(adding, return_exceptions=True)
+            log.error("stopped while waiting for workers to become healthy")
+            return 1
+        failed = adding.result()
+        if failed:
+            log.error("workers not healthy within %s s: %s", cfg.worker_startup_timeout_secs, " ".join(failed))
+            return 1
+        servers.append(await start_server(router.make_routes(), cfg.host, cfg.port, cfg.max_payload_size))
+        if cfg.prometheus_port:
+            mroutes = Routes()
+            mroutes.add("GET", "/metrics", router.handle_metrics)
+            servers.append(await start_server(mroutes, cfg.prometheus_host, cfg.prometheus_port, 1024))
+        # Everything allocated so far (modules, app, workers) lives as long as the process:
+        # move it out of the cyclic GC's generations, so a full collection only walks what
+        # the router allocates later (a full pass over the start-up objects took ~30 ms here).
+        gc.collect()
+        gc.freeze()
+        log.info("fleetserve router on http://%s:%d, policy %s, %d workers", cfg.host, cfg.port, cfg.policy,
+                 len(router.registry))
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        for srv in servers:
+            srv.close()  # stop accepting; open connections keep their requests in flight
+        deadline = loop.time() + cfg.shutdown_grace_period_secs
+        while router.inflight() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return 0
+    finally:
+        for srv in servers:
+            srv.close()
+        await router.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
+    level = {"warn": "WARNING"}.get(cfg.log_level, cfg.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(serve(cfg))
+    return uvloop.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+import os
+
+from fleetserve.entrypoints import serve as launch_server
+from fleetserve.models import tokenizer
+
+
+def test_bad_flag_value_exits_2_without_starting(capsys):
+    assert launch_server.main(["--tp-size", "0"]) == 2
+    assert "--tp-size" in capsys.readouterr().err
+
+
+def test_parser_has_sglang_names():
+    ns = launch_server.build_parser().parse_args([
+        "--model", "/m", "--host", "0.0.0.0", "--port", "1234", "--max-total-tokens", "99",
+        "--max-running-requests", "7", "--chunked-prefill-size", "-1", "--schedule-policy", "fcfs",
+        "--disable-radix-cache", "--served-model-name", "x", "--api-key", "k", "--max-request-bytes", "10"])
+    assert (ns.model_path, ns.host, ns.port, ns.max_total_tokens, ns.max_running_requests) == ("/m", "0.0.0.0", 1234, 99, 7)
+    assert (ns.chunked_prefill_size, ns.schedule_policy, ns.disable_radix_cache) == (-1, "fcfs", True)
+    assert (ns.served_model_name, ns.api_key, ns.max_request_bytes) == ("x", "k", 10)
+
+
+def test_served_name_and_tokenizer_cache_key(tmp_path, monkeypatch):
+    assert launch_server.default_served_name("/a/b/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
+    assert launch_server.default_served_name("/models/llama/") == "llama"
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    monkeypatch.setenv("FLEETSERVE_CACHE", str(tmp_path / "cache"))
+    d1 = tokenizer.tokenizer_cache_dir(str(f))
+    assert d1.startswith(str(tmp_path / "cache" / "tokenizers"))
+    f.write_bytes(b"xy")  # a changed file gets a new key
+    assert tokenizer.tokenizer_cache_dir(str(f)) != d1
+
+    class Tok:
+        def save_pretrained(self, d):
+            open(os.path.join(d, "tokenizer_config.json"), "w").write("{}")
+
+    tokenizer.save_tokenizer_cache(Tok(), d1)
+    assert os.path.isfile(os.path.join(d1, "tokenizer_config.json"))
+    tokenizer.save_tokenizer_cache(Tok(), d1)  # second save: already there, logged, no leftovers
+    assert [n for n in os.listdir(os.path.dirname(d1)) if n.startswith(".tmp-")] == []
