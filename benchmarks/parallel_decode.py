@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-SINGLE = "single rank (1 thread)"
+SINGLE_RANK_STATE = "single rank (1 thread)"
 LAYOUTS = {
     "tp2": dict(tp_size=2),
     "dp2 + DP attention": dict(tp_size=2, dp_size=2, enable_dp_attention=True),
@@ -205,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             # other load on the shared machine).
             for rep in range(a.repeats):
                 s = summarize([bench_job(0, 1, model_dir, {}, prompts, a.new_tokens, a.dtype, 1)])
-                print(rep, SINGLE, s, flush=True)
-                runs.setdefault(SINGLE, []).append(s["decode_tok_s"])
-                if SINGLE not in results or s["decode_tok_s"] > results[SINGLE]["decode_tok_s"]:
-                    results[SINGLE] = s
+                print(rep, SINGLE_RANK_STATE, s, flush=True)
+                runs.setdefault(SINGLE_RANK_STATE, []).append(s["decode_tok_s"])
+                if SINGLE_RANK_STATE not in results or s["decode_tok_s"] > results[SINGLE_RANK_STATE]["decode_tok_s"]:
+                    results[SINGLE_RANK_STATE] = s
                 for name, sizes in LAYOUTS.items():
                     per_rank = pool.run(__file__, "bench_job", model_dir, sizes, prompts, a.new_tokens, a.dtype, 1,
                                         timeout=900)

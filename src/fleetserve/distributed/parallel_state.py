@@ -83,7 +83,7 @@ class ParallelState:
         return shard_range(n_routed_experts, self.ep_rank, self.ep_size)
 
 
-SINGLE = ParallelState()
+SINGLE_RANK_STATE = ParallelState()
 
 
 def all_reduce(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from fleetserve.distributed.parallel_state import SINGLE, ParallelState
+from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE, ParallelState
 from fleetserve.core.forward_batch import ForwardBatch
 from fleetserve.core.kv_pool import TokenSlotAllocator
-from fleetserve.layers.attention import AttentionMetadata
+from fleetserve.core.forward_context import ForwardContext
 from fleetserve.models.config import architecture, is_gguf, load_model_config, resolve_dtype
 from fleetserve.models.loader import open_weight_source, run_loaders
 from fleetserve.models.registry import default_model_path, model_class
@@ -94,7 +94,7 @@ class ModelRunner:
 
     def __init__(self, model_path: str | None = None, dtype: str | torch.dtype = "auto",
                  max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
-                 pstate: ParallelState = SINGLE, device: str | torch.device = "cpu", show_progress: bool = True):
+                 pstate: ParallelState = SINGLE_RANK_STATE, device: str | torch.device = "cpu", show_progress: bool = True):
         self.model_path = model_path or default_model_path()
         self.device = torch.device(device)
         self.pstate = pstate
@@ -134,7 +134,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one batch; returns float32 logits ``[B, vocab]`` (or ``[T, vocab]``
         with ``return_all_logits``; ``[0, vocab]`` for IDLE)."""
-        meta = AttentionMetadata.build(batch, self.device)
+        meta = ForwardContext.build(batch, self.device)
         meta.global_num_tokens = batch.global_num_tokens  # DP attention's FFN gather (issue 5)
         hidden = self.model(batch.input_ids.to(self.device), meta, self.kv_pool)
         if not batch.return_all_logits:

@@ -136,7 +136,8 @@ def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoint
         import torch
 
         from fleetserve.engine.scheduler import Scheduler
-        from fleetserve.engine.scheduler_process import _make_runner, dp_attention_hook, load_tokenizer_for
+        from fleetserve.engine.dp_attention_hook import dp_attention_hook
+        from fleetserve.engine.scheduler_process import _make_runner, load_tokenizer_for
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.world_size)))
         cfg = ParallelConfig.from_server_args(args)

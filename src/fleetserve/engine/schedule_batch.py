@@ -24,7 +24,7 @@ class ScheduleBatch:
         reqs: the ``B`` requests, in row order.
         extend_lens: new tokens per request this step (DECODE: ones).
         prefix_lens: tokens already in the KV cache before this step, per request.
-        forward: the model input; the DP-attention hook may set its
+        forward_batch: the model input; the DP-attention hook may set its
             ``global_num_tokens`` / ``can_run_graph`` before the forward.
         prefill_done: EXTEND only: per request, whether this step computes the
             rest of its prompt (False for a request cut by chunked prefill).
@@ -34,7 +34,7 @@ class ScheduleBatch:
     reqs: list[Req] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
-    forward: ForwardBatch | None = None
+    forward_batch: ForwardBatch | None = None
     prefill_done: list[bool] = field(default_factory=list)
 
     @property
@@ -49,7 +49,7 @@ class ScheduleBatch:
     @classmethod
     def idle(cls, device: str | torch.device = "cpu") -> "ScheduleBatch":
         """A zero-token batch (DP attention: this rank joins the collectives only)."""
-        return cls(ForwardMode.IDLE, forward=ForwardBatch.idle(device))
+        return cls(ForwardMode.IDLE, forward_batch=ForwardBatch.idle(device))
 
 
 def build_extend(reqs: list[Req], prefix_lens: list[int], extend_lens: list[int],

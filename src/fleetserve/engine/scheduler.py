@@ -26,7 +26,7 @@ DP attention hook: ``dp_hook(scheduler, batch_or_None) -> batch_or_None`` is
 called between batch formation and the forward. Under DP attention it
 all-gathers every rank's ``batch.num_tokens`` (0 for None), returns
 ``ScheduleBatch.idle()`` when this rank has nothing but another rank does,
-fills ``batch.forward.global_num_tokens`` / ``can_run_graph``, and returns
+fills ``batch.forward_batch.global_num_tokens`` / ``can_run_graph``, and returns
 ``None`` only when every rank is empty. Without it (single rank) a step with
 no work does nothing.
 """
@@ -201,7 +201,7 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch) -> torch.Tensor | None:
         """Model forward. Returns float32 logits (None for IDLE's result is ignored)."""
         self.forward_ct += 1
-        return self.runner.forward(batch.forward)
+        return self.runner.forward(batch.forward_batch)
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor | None) -> list[ReqOutput]:
         if batch.mode == ForwardMode.IDLE:
@@ -388,7 +388,7 @@ class Scheduler:
     # ============================================================ results
     def _process_extend(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[ReqOutput]:
         reqs = batch.reqs
-        if batch.forward.return_all_logits:
+        if batch.forward_batch.return_all_logits:
             ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
             self._input_logprobs(batch, logits)
             last = logits[ends]

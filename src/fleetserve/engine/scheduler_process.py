@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from fleetserve.engine.args import ServerArgs
+from fleetserve.engine.dp_attention_hook import dp_attention_hook
 from fleetserve.engine.io_struct import (
     AbortReq, BatchTokenOut, FlushCacheReq, GetStatsReq, ReqOutput, TokenizedGenerateReq,
 )
@@ -153,26 +154,6 @@ def load_tokenizer_for(args: ServerArgs) -> Any:
     return load_tokenizer(args.tokenizer_path or args.model_path)
 
 
-def dp_attention_hook(pstate: Any, device: str = "cpu"):
-    """The scheduler's DP-attention hook built on :func:`fleetserve.distributed.dp_attention.sync_step`."""
-    from fleetserve.distributed.dp_attention import batch_num_tokens, sync_step
-    from fleetserve.engine.schedule_batch import ScheduleBatch
-
-    def hook(sched: Any, batch: Any) -> Any:
-        mode = batch.mode if batch is not None else None
-        n = batch_num_tokens(mode, batch.num_tokens if batch else 0, batch.batch_size if batch else 0)
-        plan = sync_step(pstate, n, batch is None or batch.mode.is_decode_or_idle())
-        if plan.skip:
-            return None
-        if batch is None:
-            batch = ScheduleBatch.idle(device)
-        batch.forward.global_num_tokens = plan.global_num_tokens
-        batch.forward.can_run_graph = plan.can_run_graph
-        return batch
-
-    return hook
-
-
 def run_scheduler_process(args: ServerArgs, input_endpoint: str, output_endpoint: str, ready_writer: Any,
                           pstate: Any = None, dp_rank: int = 0, parent_pid: int | None = None) -> None:
     """Process entry point: load the model, connect, hand-shake, loop until terminated
@@ -188,10 +169,10 @@ def run_scheduler_process(args: ServerArgs, input_endpoint: str, output_endpoint
 
         exit_with_parent(parent_pid)
     try:
-        from fleetserve.distributed.parallel_state import SINGLE
+        from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
         from fleetserve.engine.scheduler import Scheduler
 
-        pstate = pstate or SINGLE
+        pstate = pstate or SINGLE_RANK_STATE
         runner = _make_runner(args, pstate)
         tokenizer = load_tokenizer_for(args)
         hook = dp_attention_hook(pstate, args.device) if pstate.attn_dp_size > 1 else None

@@ -42,7 +42,7 @@ class TPGroup:
     group: Any = None
 
 
-NO_TP = TPGroup()
+UNSHARDED = TPGroup()
 
 
 def attn_tp_group(p: ParallelState) -> TPGroup:
@@ -85,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, output_sizes: int | Sequence[int], bias: bool = False,
-                 tp: TPGroup = NO_TP, dtype: torch.dtype = torch.float32,
+                 tp: TPGroup = UNSHARDED, dtype: torch.dtype = torch.float32,
                  shard_rows: Sequence[tuple[int, int]] | None = None):
         super().__init__()
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
@@ -126,7 +126,7 @@ class RowParallelLinear(nn.Module):
     Input ``[N, in_features / tp.size]``, output ``[N, out_features]``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = NO_TP,
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = UNSHARDED,
                  dtype: torch.dtype = torch.float32, reduce_results: bool = True):
         super().__init__()
         self.tp = tp
@@ -159,7 +159,7 @@ class VocabParallelEmbedding(nn.Module):
     zero). ``forward(ids [T] int64) -> [T, hidden]``.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = NO_TP, dtype: torch.dtype = torch.float32):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = UNSHARDED, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.vocab_size = vocab_size
         self.tp = tp
@@ -191,7 +191,7 @@ class ParallelLMHead(nn.Module):
     embeddings, e.g. SmolLM2).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = NO_TP,
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = UNSHARDED,
                  dtype: torch.dtype = torch.float32, tied_to: VocabParallelEmbedding | None = None):
         super().__init__()
         self.vocab_size = vocab_size

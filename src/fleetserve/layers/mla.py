@@ -37,8 +37,9 @@ from torch import nn
 
 from fleetserve.core.forward_batch import ForwardMode
 from fleetserve.core.kv_pool import MLAKVPool
-from fleetserve.layers.attention import AttentionMetadata, attend, gather_rows
-from fleetserve.layers.linear import NO_TP, ColumnParallelLinear, RowParallelLinear, TPGroup
+from fleetserve.core.forward_context import ForwardContext
+from fleetserve.layers.attention import attend, gather_rows
+from fleetserve.layers.linear import UNSHARDED, ColumnParallelLinear, RowParallelLinear, TPGroup
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding, get_rope_parameters, mla_softmax_scale
 
@@ -57,7 +58,7 @@ class MLAttention(nn.Module):
     ``forward(hidden [T, H], meta, pool) -> [T, H]``.
     """
 
-    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup = NO_TP,
+    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup = UNSHARDED,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         H = config.hidden_size
@@ -106,7 +107,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.r)
         return w[:, : self.dn], w[:, self.dn:]
 
-    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, pool: MLAKVPool) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, meta: ForwardContext, pool: MLAKVPool) -> torch.Tensor:
         T = hidden.shape[0]
         h = self.num_heads
         if self.q_lora_rank:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetserve.layers.linear import NO_TP, ColumnParallelLinear, RowParallelLinear, TPGroup
+from fleetserve.layers.linear import UNSHARDED, ColumnParallelLinear, RowParallelLinear, TPGroup
 
 
 def activation(name: str):
@@ -37,7 +37,7 @@ class GatedMLP(nn.Module):
     ``forward(x [N, hidden]) -> [N, hidden]``.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", tp: TPGroup = NO_TP,
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", tp: TPGroup = UNSHARDED,
                  dtype: torch.dtype = torch.float32, reduce_results: bool = True, bias: bool = False):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias,

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetserve.distributed.parallel_state import SINGLE, ParallelState, all_reduce, shard_range
+from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE, ParallelState, all_reduce, shard_range
 from fleetserve.distributed.moe_dispatch import EPDispatcher
-from fleetserve.layers.linear import NO_TP, full_tp_group
+from fleetserve.layers.linear import UNSHARDED, full_tp_group
 from fleetserve.layers.mlp import GatedMLP, activation
 
 
@@ -120,7 +120,7 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, n_experts: int, hidden_act: str,
-                 pstate: ParallelState = SINGLE, dtype: torch.dtype = torch.float32):
+                 pstate: ParallelState = SINGLE_RANK_STATE, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.n_experts = n_experts
         self.start, self.end = shard_range(n_experts, pstate.ep_rank, pstate.ep_size)
@@ -193,7 +193,7 @@ class DeepseekMoE(nn.Module):
     reduction is a no-op.
     """
 
-    def __init__(self, config: Any, pstate: ParallelState = SINGLE, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: Any, pstate: ParallelState = SINGLE_RANK_STATE, dtype: torch.dtype = torch.float32):
         super().__init__()
         is_v3 = getattr(config, "model_type", "") == "deepseek_v3"
         scoring = getattr(config, "scoring_func", None) or ("sigmoid" if is_v3 else "softmax")
@@ -211,7 +211,7 @@ class DeepseekMoE(nn.Module):
         # their experts; shared experts are then replicated (not TP-split) on every rank.
         self.dispatcher = EPDispatcher(pstate, n_experts) if pstate.ep_size > 1 else None
         n_shared = getattr(config, "n_shared_experts", 0) or 0
-        shared_tp = NO_TP if self.dispatcher is not None else self.tp
+        shared_tp = UNSHARDED if self.dispatcher is not None else self.tp
         self.shared_experts = (GatedMLP(config.hidden_size, config.moe_intermediate_size * n_shared,
                                         config.hidden_act, tp=shared_tp, dtype=dtype, reduce_results=False)
                                if n_shared else None)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fleetserve.distributed.parallel_state import ParallelState
-from fleetserve.layers.attention import AttentionMetadata
+from fleetserve.core.forward_context import ForwardContext
 from fleetserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, attn_tp_group
 from fleetserve.layers.norm import RMSNorm
 
@@ -38,7 +38,7 @@ class DecoderOnlyLM(nn.Module):
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, h, tp, dtype, tied_to=self.embed_tokens if tied else None)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: ForwardContext, pool: Any) -> torch.Tensor:
         self.rotary.prepare(meta.positions)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:

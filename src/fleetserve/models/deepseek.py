@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from fleetserve.distributed.dp_attention import gather_tokens, scatter_tokens
-from fleetserve.distributed.parallel_state import SINGLE, ParallelState
+from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE, ParallelState
 from fleetserve.core.kv_pool import MLAKVPool
-from fleetserve.layers.attention import AttentionMetadata
+from fleetserve.core.forward_context import ForwardContext
 from fleetserve.layers.linear import attn_tp_group, full_tp_group
 from fleetserve.layers.mla import MLAttention
 from fleetserve.layers.mlp import GatedMLP
@@ -56,11 +56,11 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, pool: MLAKVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardContext, pool: MLAKVPool) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, pool)
         return x + self._ffn(self.post_attention_layernorm(x), meta)
 
-    def _ffn(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _ffn(self, h: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
         """The MLP / MoE; under DP attention on every group's tokens (gathered, then own rows kept)."""
         ps = self.pstate
         if ps.attn_dp_size == 1:
@@ -87,7 +87,7 @@ class DeepseekForCausalLM(DecoderOnlyLM):
 
     kv_pool_class = MLAKVPool
 
-    def __init__(self, config: Any, pstate: ParallelState = SINGLE, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: Any, pstate: ParallelState = SINGLE_RANK_STATE, dtype: torch.dtype = torch.float32,
                  max_position: int | None = None):
         super().__init__()
         interleaved = getattr(config, "model_type", "") != "deepseek_v3" or bool(getattr(config, "rope_interleave", True))

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleetserve.distributed.parallel_state import SINGLE, ParallelState
+from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE, ParallelState
 from fleetserve.core.kv_pool import MHAKVPool
-from fleetserve.layers.attention import AttentionMetadata, MHAttention
+from fleetserve.core.forward_context import ForwardContext
+from fleetserve.layers.attention import MHAttention
 from fleetserve.layers.linear import attn_tp_group, full_tp_group
 from fleetserve.layers.mlp import GatedMLP
 from fleetserve.layers.norm import RMSNorm
@@ -39,7 +40,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, pool: MHAKVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardContext, pool: MHAKVPool) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -57,7 +58,7 @@ class LlamaForCausalLM(DecoderOnlyLM):
     ``compute_logits(hidden [N, H]) -> [N, vocab]`` float32.
     """
 
-    def __init__(self, config: Any, pstate: ParallelState = SINGLE, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: Any, pstate: ParallelState = SINGLE_RANK_STATE, dtype: torch.dtype = torch.float32,
                  max_position: int | None = None):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

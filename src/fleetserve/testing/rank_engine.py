@@ -42,7 +42,7 @@ def build_rank_engine(rank: int, model_path: str, timeout_s: float = 30.0, **ser
     from fleetserve.engine.args import ServerArgs
     from fleetserve.engine.model_runner import ModelRunner
     from fleetserve.engine.scheduler import Scheduler
-    from fleetserve.engine.scheduler_process import dp_attention_hook
+    from fleetserve.engine.dp_attention_hook import dp_attention_hook
 
     server_args.setdefault("random_seed", 0)
     args = ServerArgs(model_path=model_path, **server_args)
