@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"TTFT cut by the radix cache: **{cold/warm_t:.1f}x**.",
         "",
-        "Aims of issue 2: at concurrency 32, >= 5x transformers' output tokens/s -> "
+        "Targets: at concurrency 32, >= 5x transformers' output tokens/s -> "
         + (f"**{'met' if c32 >= 5 else 'not met'}** ({c32:.2f}x)" if c32 is not None else "not measured")
         + f"; >= 5x TTFT cut for the repeated prefix -> **{'met' if cold / warm_t >= 5 else 'not met'}**. "
         f"CPU capability seen by torch: {torch.backends.cpu.get_cpu_capability()} (bfloat16 is fast only "

@@ -207,7 +207,7 @@ class DeepseekMoE(nn.Module):
                              float(getattr(config, "routed_scaling_factor", 1.0)), with_bias=method == "noaux_tc")
         self.experts = RoutedExperts(config.hidden_size, config.moe_intermediate_size, n_experts, config.hidden_act,
                                      pstate, dtype)
-        # Expert parallelism (issue 5): the dispatcher moves tokens to the ranks holding
+        # Expert parallelism: the dispatcher moves tokens to the ranks holding
         # their experts; shared experts are then replicated (not TP-split) on every rank.
         self.dispatcher = EPDispatcher(pstate, n_experts) if pstate.ep_size > 1 else None
         n_shared = getattr(config, "n_shared_experts", 0) or 0

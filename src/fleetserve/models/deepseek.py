@@ -10,8 +10,8 @@ layers (past ``num_hidden_layers``) are not loaded.
 Parallel layout: attention and embedding / LM head over the attention-TP
 group; the dense MLP and the shared experts over the full TP group; routed
 experts over EP x MoE-TP. Under DP attention the FFN input of every rank is
-gathered before ``mlp`` and scattered after it (issue 5's hooks belong
-around the ``self.mlp(...)`` call in :meth:`DeepseekDecoderLayer.forward`).
+gathered before ``mlp`` and scattered after it, around the ``self.mlp(...)``
+call in :meth:`DeepseekDecoderLayer.forward`.
 """
 
 from __future__ import annotations
