@@ -17,7 +17,8 @@ import sys
 
 from .app import Router
 from .config import RouterConfig, parse_args
-from .http.server import Routes, start_server
+from .http.server import start_server
+from .routes import make_routes, metrics_routes
 
 log = logging.getLogger("fleetserve.router")
 
@@ -52,11 +53,9 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         if failed:
             log.error("workers not healthy within %s s: %s", cfg.worker_startup_timeout_secs, " ".join(failed))
             return 1
-        servers.append(await start_server(router.make_routes(), cfg.host, cfg.port, cfg.max_payload_size))
+        servers.append(await start_server(make_routes(router), cfg.host, cfg.port, cfg.max_payload_size))
         if cfg.prometheus_port:
-            mroutes = Routes()
-            mroutes.add("GET", "/metrics", router.handle_metrics)
-            servers.append(await start_server(mroutes, cfg.prometheus_host, cfg.prometheus_port, 1024))
+            servers.append(await start_server(metrics_routes(router), cfg.prometheus_host, cfg.prometheus_port, 1024))
         # Everything allocated so far (modules, app, workers) lives as long as the process:
         # move it out of the cyclic GC's generations, so a full collection only walks what
         # the router allocates later (a full pass over the start-up objects took ~30 ms here).

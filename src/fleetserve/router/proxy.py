@@ -1,0 +1,180 @@
+"""The inference path: parse, route, forward with retries, stream through.
+
+``POST /generate``, ``/v1/completions`` and ``/v1/chat/completions`` are routed
+by the policy and proxied; the client's body bytes are forwarded unchanged, and
+``"stream": true`` responses are passed through chunk by chunk.
+
+Errors are OpenAI-style JSON: 400 malformed JSON or a body that is not an
+object, 503 no available worker, 502 / 504 every attempt failed (or timed out)
+without a worker response.  (413 for a body over ``--max-payload-size`` is
+answered by the server before a handler runs.)
+
+Retries: a connection error, a timeout or a 5xx answer is retried on another
+worker (when there is one) after an exponential backoff with jitter, up to
+``--retry-max-retries`` attempts -- only while nothing has been sent to the
+client.  Once a streamed response has started, a failure ends the stream.
+A 4xx answer passes through unchanged and counts as a worker success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import orjson
+
+from .http.client import UpstreamError, UpstreamResponse, UpstreamTimeoutError
+from .http.server import Request, Response, json_error
+from .retry import backoff_delay_s
+from .routing_text import routing_text
+from .workers import Worker
+
+if TYPE_CHECKING:
+    from .app import Router
+
+INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+_JSON = "application/json"
+# response headers not passed back to the client: hop-by-hop ones, and the ones the server writes itself
+_NOT_FORWARDED = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-type",
+                            "proxy-connection", "te", "trailer", "upgrade"})
+
+
+def _forwarded_headers(resp: UpstreamResponse) -> list[tuple[str, str]]:
+    """The worker's response headers to pass to the client (e.g. a worker id header), as pairs, repeats kept."""
+    return [(k, v) for k, v in resp.header_pairs if k not in _NOT_FORWARDED]
+
+
+def _fail(worker: Worker) -> None:
+    worker.failures += 1
+    worker.breaker.record_failure()
+
+
+class _Retry:
+    """This attempt failed by the worker's fault; ``response`` is what the client gets if no retry is left."""
+
+    __slots__ = ("response",)
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
+async def handle_inference(router: Router, request: Request) -> Response | None:
+    """Parse, route and proxy one inference request (the server already enforced the size limit)."""
+    try:
+        body = orjson.loads(request.body)
+    except orjson.JSONDecodeError as e:
+        router.stats.bad_requests += 1
+        return json_error(400, f"malformed JSON body: {e}")
+    if type(body) is not dict:
+        router.stats.bad_requests += 1
+        return json_error(400, "the request body must be a JSON object")
+    path = request.path
+    router.handling += 1
+    try:
+        return await _forward(router, request, path, routing_text(path, body), body.get("stream") is True)
+    finally:
+        router.handling -= 1
+
+
+async def _forward(router: Router, request: Request, path: str, text: str, stream: bool) -> Response | None:
+    """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet."""
+    cfg = router.cfg
+    stats = router.stats
+    policy = router.policy
+    auth = request.headers.get("authorization")
+    headers = b"" if auth is None else b"Authorization: " + auth.encode("latin-1") + b"\r\n"
+    tried: list[Worker] = []
+    failure: Response | None = None
+    attempt = 0
+    while True:
+        attempt += 1
+        t0 = time.perf_counter()
+        workers = router.registry.available()
+        if tried and len(workers) > 1:
+            fresh = [w for w in workers if w not in tried]
+            if fresh:
+                workers = fresh
+        worker = policy.select(workers, text, retry=bool(tried))
+        stats.observe_decision(time.perf_counter() - t0)
+        if worker is None:
+            stats.no_worker += 1
+            if failure is None:
+                return json_error(503, "no healthy worker available", "service_unavailable")
+            return failure
+        result = await _attempt(router, request, worker, path, headers, stream)
+        if type(result) is not _Retry:
+            return result
+        tried.append(worker)
+        failure = result.response
+        if attempt >= router.max_attempts:
+            return failure
+        stats.retries += 1
+        await asyncio.sleep(backoff_delay_s(attempt, cfg.retry_initial_backoff_ms, cfg.retry_max_backoff_ms,
+                                            cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
+
+
+async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool):
+    """One upstream attempt: the client's response, None once streamed, or a :class:`_Retry`.
+
+    ``worker.load`` is held from before the send until this returns, whatever happens
+    (answer, error, timeout, or cancellation when the client goes away).
+    """
+    worker.load += 1
+    worker.requests += 1
+    resp = None
+    try:
+        try:
+            resp = await router.pool.post(worker.url, path, request.body, headers)
+            status = resp.status
+            if status >= 500:
+                data = await resp.read()
+                _fail(worker)
+                return _Retry(Response(status, data, resp.headers.get("content-type", _JSON),
+                                       _forwarded_headers(resp)))
+            if not stream or resp.content_type != "text/event-stream":
+                data = await resp.read()
+                worker.breaker.record_success()
+                return Response(status, data, resp.headers.get("content-type", _JSON), _forwarded_headers(resp))
+        except UpstreamError as e:
+            _fail(worker)
+            status, kind = (504, "gateway_timeout") if isinstance(e, UpstreamTimeoutError) else (502, "bad_gateway")
+            return _Retry(json_error(status, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
+                                     kind))
+        # streaming: from here on bytes reach the client, so no retry
+        await _stream(request, worker, resp)
+        return None
+    finally:
+        worker.load -= 1
+        if resp is not None:
+            resp.release()
+
+
+async def _stream(request: Request, worker: Worker, resp: UpstreamResponse) -> None:
+    """Pass a streamed answer through chunk by chunk, as each arrives."""
+    try:
+        extra = _forwarded_headers(resp)
+        if "cache-control" not in resp.headers:
+            extra.append(("Cache-Control", "no-cache"))
+        request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"), extra)
+        tail = b"\n\n"  # the last two bytes sent: is an event open?
+        try:
+            while True:
+                chunk = await resp.next_chunk()
+                if not chunk:
+                    break
+                await request.write(chunk)
+                tail = (tail + chunk)[-2:]
+        except UpstreamError as e:
+            # bytes already reached the client, so no retry: close off any half event and
+            # end with an OpenAI-style error event (and no [DONE]) rather than a silent cut
+            _fail(worker)
+            err = {"error": {"message": f"worker {worker.url} failed mid-stream: {e}", "type": "bad_gateway",
+                             "code": 502}}
+            await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err) + b"\n\n")
+            request.end_stream()
+            return
+        worker.breaker.record_success()
+        request.end_stream()
+    except ConnectionResetError:
+        pass  # the client went away; _attempt's finally releases the worker
