@@ -63,8 +63,12 @@ class ForwardBatch:
             for the last new token of each request (``[B, vocab]``).
         global_num_tokens: under DP attention, every attention-DP rank's token
             count for this step (all-gathered by the scheduler); ``None`` otherwise.
-        can_run_graph: all ranks agreed (all-reduce MIN) that this step may replay
-            a CUDA graph.
+        can_run_graph: DP attention only: every rank agreed (all-reduce MIN in
+            ``sync_step``) that this step is DECODE or IDLE everywhere, so the model
+            runner may send it through its decode-graph runner (padded to the bucket
+            of ``max(global_num_tokens)``). Stays False when the runner has no decode
+            graphs (the all-reduce is then skipped). Without DP attention the runner
+            looks at ``mode`` alone.
     """
 
     mode: ForwardMode

@@ -7,16 +7,18 @@ layer spans all ranks. So the groups must agree, every step, on
 * how many tokens each group brings (the shape of the FFN gather), and
 * whether every group runs DECODE or IDLE (only then may a CUDA graph replay).
 
-:func:`sync_step` does both with two small collectives on the gloo CPU group:
-an ``all_gather`` of token counts, then an ``all_reduce(MIN)`` of "my batch is
-DECODE or IDLE". A rank with no batch while another has one must run an IDLE
+:func:`sync_step` does both with small collectives on the gloo CPU group:
+an ``all_gather`` of token counts, then -- only when the caller may replay a
+decode graph (``check_graph``; SGLang skips it under ``disable_cuda_graph``) --
+an ``all_reduce(MIN)`` of "my batch is DECODE or IDLE". A rank with no batch while another has one must run an IDLE
 batch (zero tokens) so that it still joins the FFN collectives; when every rank
 is empty no rank steps. Idea from SGLang's ``prepare_dp_attn_batch`` (PR #1970,
 #2061); see the reference chapter.
 
-In each layer, :func:`gather_before_ffn` concatenates every group's hidden
-states (each padded to the largest count for the ``all_gather``, padding
-dropped after) and :func:`scatter_after_ffn` keeps this group's own rows.
+Around each FFN the model calls :func:`gather_tokens`, which concatenates
+every group's hidden states (each padded to the largest count for the
+``all_gather``, padding dropped after), and :func:`scatter_tokens`, which keeps
+this group's own rows.
 
 Scheduling rule under DP attention (:func:`dp_schedule_rule`): the step time of
 every rank is the slowest rank's, and a retraction on one rank stalls them all,
@@ -49,7 +51,8 @@ class DPStepPlan:
             DECODE: batch size, EXTEND: new tokens, no batch: 0.
         run_idle: this rank has no batch but another has one; it must run an IDLE batch.
         skip: every rank is empty; no rank steps (no forward, no collectives).
-        can_run_graph: every group is DECODE or IDLE (all-reduce MIN); a CUDA graph may replay.
+        can_run_graph: every group is DECODE or IDLE (all-reduce MIN); a decode graph may
+            replay. Always False when :func:`sync_step` ran with ``check_graph=False``.
     """
 
     global_num_tokens: list[int]
@@ -79,7 +82,8 @@ def sync_step(ps: ParallelState, local_num_tokens: int, local_decode_or_idle: bo
         ps: this rank's state (uses ``cpu_group``; a no-op plan when ``attn_dp_size == 1``).
         local_num_tokens: from :func:`batch_num_tokens` (0 when this rank has no batch).
         local_decode_or_idle: this rank's batch is DECODE, or it has none.
-        check_graph: also run the all-reduce(MIN) for CUDA-graph eligibility.
+        check_graph: also run the all-reduce(MIN) for decode-graph eligibility; pass False
+            when this rank cannot replay a graph (one collective fewer per step).
 
     Returns:
         The :class:`DPStepPlan`; identical on every rank except ``run_idle``.
@@ -91,7 +95,7 @@ def sync_step(ps: ParallelState, local_num_tokens: int, local_decode_or_idle: bo
     if ps.attn_dp_size <= 1:
         # One attention group: every rank runs the same batch; nothing to agree on.
         return DPStepPlan([int(local_num_tokens)], run_idle=False, skip=local_num_tokens == 0,
-                          can_run_graph=bool(local_decode_or_idle))
+                          can_run_graph=bool(local_decode_or_idle) and check_graph)
     mine = torch.tensor([int(local_num_tokens)], dtype=torch.int64)
     parts = [torch.empty(1, dtype=torch.int64) for _ in range(ps.tp_size)]
     with timed("dp_sync"):
@@ -149,30 +153,6 @@ def scatter_tokens(x_all: torch.Tensor, global_num_tokens: list[int], ps: Parall
         return x_all
     start = int(sum(global_num_tokens[: ps.attn_dp_rank]))
     return x_all[start: start + int(global_num_tokens[ps.attn_dp_rank])]
-
-
-def gather_before_ffn(x: torch.Tensor, forward_batch: Any, ps: ParallelState) -> torch.Tensor:
-    """:func:`gather_tokens` using ``forward_batch.global_num_tokens`` (identity without DP attention)."""
-    if ps.attn_dp_size <= 1:
-        return x
-    return gather_tokens(x, _counts(forward_batch, x, ps), ps)
-
-
-def scatter_after_ffn(x_all: torch.Tensor, forward_batch: Any, ps: ParallelState) -> torch.Tensor:
-    """:func:`scatter_tokens` using ``forward_batch.global_num_tokens`` (identity without DP attention)."""
-    if ps.attn_dp_size <= 1:
-        return x_all
-    return scatter_tokens(x_all, _counts(forward_batch, None, ps), ps)
-
-
-def _counts(forward_batch: Any, x: torch.Tensor | None, ps: ParallelState) -> list[int]:
-    counts = getattr(forward_batch, "global_num_tokens", None)
-    if counts is None:
-        raise RuntimeError("DP attention forward without global_num_tokens: the scheduler must call "
-                           "sync_step before every forward and store the counts on the ForwardBatch")
-    if len(counts) != ps.attn_dp_size:
-        raise RuntimeError(f"global_num_tokens has {len(counts)} entries, expected {ps.attn_dp_size}")
-    return [int(c) for c in counts]
 
 
 def dp_schedule_rule(schedule_conservativeness: float, chunked_prefill_size: int | None,

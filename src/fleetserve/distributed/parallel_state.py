@@ -75,13 +75,6 @@ class ParallelState:
     def enable_dp_attention(self) -> bool:
         return self.attn_dp_size > 1
 
-    def local_expert_range(self, n_routed_experts: int) -> tuple[int, int]:
-        """``[start, end)`` of the routed experts this rank holds (contiguous, EP).
-
-        Raises ValueError if ``n_routed_experts`` is not divisible by ``ep_size``.
-        """
-        return shard_range(n_routed_experts, self.ep_rank, self.ep_size)
-
 
 SINGLE_RANK_STATE = ParallelState()
 

@@ -60,6 +60,10 @@ class ServerArgs:
         schedule_conservativeness: >1 reserves more KV for decode growth.
         disable_radix_cache: no prefix reuse; every request prefills its whole prompt.
         stream_interval: send streamed tokens every this many decode steps.
+        disable_cuda_graph: decode without CUDA graphs. Graphs are used only on CUDA,
+            so on CPU this changes nothing (SGLang's flag).
+        cuda_graph_max_bs: largest decode batch (under DP attention: largest count of
+            any attention group) replayed through a graph; ``None`` = 32.
 
     Parallelism (see ARCHITECTURE.md for the meaning of sizes):
         tp_size, dp_size, enable_dp_attention, ep_size, moe_a2a_backend,
@@ -95,6 +99,8 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     stream_interval: int = 1
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
 
     tp_size: int = 1
     dp_size: int = 1
@@ -142,6 +148,8 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"--context-length must be >= 1, got {self.context_length}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -214,6 +222,9 @@ class ServerArgs:
         g.add_argument("--schedule-conservativeness", type=float, default=default("schedule_conservativeness"))
         g.add_argument("--disable-radix-cache", action="store_true")
         g.add_argument("--stream-interval", type=int, default=default("stream_interval"))
+        g.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
+        g.add_argument("--cuda-graph-max-bs", type=int, default=default("cuda_graph_max_bs"),
+                       help="largest decode batch replayed through a CUDA graph (default 32)")
 
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=default("tp_size"))

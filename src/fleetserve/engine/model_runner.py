@@ -9,6 +9,18 @@ Contract with the scheduler (ForwardBatch in, float32 logits out):
   returns ``[0, vocab]`` -- and still runs every layer, so that collective
   operations inside the MoE / FFN layers line up across DP-attention ranks.
 * ``allocator`` hands out pool slots; slot 0 is the scratch slot.
+
+Decode graphs (SGLang's ``cuda_graph_runner`` behind ``--disable-cuda-graph``):
+on CUDA, unless disabled, a DECODE batch -- or, under DP attention, a DECODE or
+IDLE batch whose step every rank agreed may use a graph
+(``ForwardBatch.can_run_graph``) -- goes through a
+:class:`~fleetserve.engine.cuda_graph_runner.DecodeGraphRunner` when its bucket
+(batch size, or the instance-wide largest count under DP attention) is at most
+``cuda_graph_max_bs``. The batch is padded to the bucket: padding rows read
+token 0 at position 0, write their KV to the scratch slot 0 and attend only to
+it (sequence length 1), so no real slot is touched; their logits are dropped.
+On CPU nothing changes unless ``eager_graph_stand_in=True`` (tests), which runs
+the same padded path eagerly.
 """
 
 from __future__ import annotations
@@ -20,9 +32,11 @@ from typing import Any
 import torch
 
 from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE, ParallelState
-from fleetserve.core.forward_batch import ForwardBatch
+from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
 from fleetserve.core.kv_pool import TokenSlotAllocator
 from fleetserve.core.forward_context import ForwardContext
+from fleetserve.engine.cuda_graph_runner import (DecodeGraphRunner, EagerDecodeGraphRunner, default_batch_sizes,
+                                                 default_seq_len_buckets)
 from fleetserve.models.config import architecture, is_gguf, load_model_config, resolve_dtype
 from fleetserve.models.loader import open_weight_source, run_loaders
 from fleetserve.models.registry import default_model_path, model_class
@@ -34,6 +48,12 @@ logger = logging.getLogger(__name__)
 #: machines are shared and the pool is committed page by page as it fills.
 DEFAULT_CPU_KV_FRACTION = 0.1
 MAX_AUTO_TOKENS = 1 << 20
+#: Largest decode batch given a graph when ``cuda_graph_max_bs`` is not set. Lower
+#: than SGLang's (up to 160+): attention here gathers every row's KV up to the
+#: captured width, so a graph's cost grows with bs x width.
+DEFAULT_CUDA_GRAPH_MAX_BS = 32
+#: Pad values of the static decode inputs (see the module docstring).
+GRAPH_PAD_VALUES = {"input_ids": 0, "positions": 0, "out_cache_loc": 0, "seq_lens": 1, "kv_idx": 0}
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -86,15 +106,29 @@ class ModelRunner:
         pstate: this rank's parallel layout.
         device: ``"cpu"`` or ``"cuda:N"``.
         show_progress: show a tqdm bar while loading weights.
+        disable_cuda_graph: never use decode graphs (``--disable-cuda-graph``).
+        cuda_graph_max_bs: largest bucket (``--cuda-graph-max-bs``; default 32).
+        eager_graph_stand_in: on a non-CUDA device, run the decode-graph path with
+            :class:`EagerDecodeGraphRunner` (same padding and buckets, eager forward).
+            For tests; ignored on CUDA, where real graphs are captured.
+        graph_seq_len_buckets: KV widths of the graph buffers (default:
+            :func:`default_seq_len_buckets` of ``max_context_len``).
+
+    Raises:
+        RuntimeError: capturing the decode graphs failed on CUDA (retry with
+            ``disable_cuda_graph=True``).
 
     Attributes: ``model_config`` (the HF config), ``model``, ``vocab_size``,
     ``kv_pool`` (MHAKVPool or MLAKVPool), ``allocator``, ``max_total_tokens``,
-    ``max_context_len``, ``dtype``, ``eos_token_ids``, ``kv_bytes_per_token``.
+    ``max_context_len``, ``dtype``, ``eos_token_ids``, ``kv_bytes_per_token``,
+    ``graph_runner`` (None when decode graphs are off).
     """
 
     def __init__(self, model_path: str | None = None, dtype: str | torch.dtype = "auto",
                  max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
-                 pstate: ParallelState = SINGLE_RANK_STATE, device: str | torch.device = "cpu", show_progress: bool = True):
+                 pstate: ParallelState = SINGLE_RANK_STATE, device: str | torch.device = "cpu", show_progress: bool = True,
+                 disable_cuda_graph: bool = False, cuda_graph_max_bs: int | None = None,
+                 eager_graph_stand_in: bool = False, graph_seq_len_buckets: list[int] | None = None):
         self.model_path = model_path or default_model_path()
         self.device = torch.device(device)
         self.pstate = pstate
@@ -129,13 +163,100 @@ class ModelRunner:
             architecture(config), self.device, str(self.dtype).replace("torch.", ""), pstate.tp_rank, pstate.tp_size,
             pstate.ep_rank, pstate.ep_size, type(self.kv_pool).__name__, self.kv_bytes_per_token,
             self.max_total_tokens, self.max_total_tokens * self.kv_bytes_per_token / 2**20)
+        self.graph_runner: DecodeGraphRunner | None = None
+        if not disable_cuda_graph and (self.device.type == "cuda" or eager_graph_stand_in):
+            self._init_graph_runner(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS,
+                                    graph_seq_len_buckets or default_seq_len_buckets(self.max_context_len))
+
+    # ------------------------------------------------------------ decode graphs
+    @property
+    def decode_graphs_enabled(self) -> bool:
+        """Whether a decode step may go through the graph runner (the DP hook's ``check_graph``)."""
+        return self.graph_runner is not None
+
+    def _init_graph_runner(self, max_bs: int, seq_len_buckets: list[int]) -> None:
+        sizes = default_batch_sizes(max_bs)
+        if self.device.type != "cuda":
+            self.graph_runner = EagerDecodeGraphRunner(self._static_decode_forward, self._make_static_inputs,
+                                                       GRAPH_PAD_VALUES, sizes, seq_len_buckets)
+            self.graph_runner.capture()
+            return
+        unsafe = sorted({type(m).__name__ for m in self.model.modules() if not getattr(m, "cuda_graph_safe", True)})
+        if unsafe:
+            logger.info("decode CUDA graphs off: %s synchronise with the host in their forward", ", ".join(unsafe))
+            return
+        runner = DecodeGraphRunner(self._static_decode_forward, self._make_static_inputs, GRAPH_PAD_VALUES,
+                                   sizes, seq_len_buckets)
+        try:
+            with torch.inference_mode():
+                runner.capture()
+        except Exception as e:
+            raise RuntimeError(f"capturing decode CUDA graphs failed ({type(e).__name__}: {e}); "
+                               "start with --disable-cuda-graph to run decode eagerly") from e
+        self.graph_runner = runner
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, KV widths %s)", len(runner.graphs),
+                    sizes, seq_len_buckets)
+
+    def _make_static_inputs(self, bs: int, seq_len: int) -> dict[str, torch.Tensor]:
+        """Static decode buffers of one key, filled with the padding values."""
+        def buf(*shape: int, name: str) -> torch.Tensor:
+            return torch.full(shape, GRAPH_PAD_VALUES[name], dtype=torch.int64, device=self.device)
+
+        return {"input_ids": buf(bs, name="input_ids"), "positions": buf(bs, name="positions"),
+                "out_cache_loc": buf(bs, name="out_cache_loc"), "seq_lens": buf(bs, name="seq_lens"),
+                "kv_idx": buf(bs, seq_len, name="kv_idx")}
+
+    def _static_decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                               seq_lens: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """DECODE forward over fixed shapes: int64 ``[bs]`` inputs and ``kv_idx [bs, L]``
+        -> float32 logits ``[bs, vocab]``. No host sync (capturable on CUDA)."""
+        bs, L = kv_idx.shape
+        keys = torch.arange(L, device=kv_idx.device)
+        mask = (keys[None, :] < seq_lens[:, None]).view(bs, 1, 1, L)
+        last = torch.arange(bs, device=kv_idx.device)
+        # Under DP attention every rank runs the same bucket, so the FFN gather sees bs rows per group.
+        counts = [bs] * self.pstate.attn_dp_size if self.pstate.attn_dp_size > 1 else None
+        meta = ForwardContext(ForwardMode.DECODE, positions, out_cache_loc, kv_idx, mask, None, None, last,
+                              bs, 1, bs, global_num_tokens=counts)
+        return self.model.compute_logits(self.model(input_ids, meta, self.kv_pool))
+
+    def _graph_bucket(self, batch: ForwardBatch) -> int | None:
+        """The bucket ``batch`` runs in through the graph runner, or None (eager)."""
+        if self.graph_runner is None or batch.return_all_logits:
+            return None
+        if self.pstate.attn_dp_size > 1:
+            # Every rank reaches the same answer: can_run_graph and the counts come from sync_step.
+            if not (batch.can_run_graph and batch.mode.is_decode_or_idle()) or batch.global_num_tokens is None:
+                return None
+            return self.graph_runner.bucket_for(max(batch.global_num_tokens))
+        if not batch.mode.is_decode() or batch.batch_size == 0:
+            return None
+        return self.graph_runner.bucket_for(batch.batch_size)
+
+    def _forward_graph(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+        n = batch.batch_size
+        kv = [k.to(self.device) for k in batch.kv_indices]
+        if n:
+            kv_idx = torch.nn.utils.rnn.pad_sequence(kv, batch_first=True, padding_value=0)
+        else:
+            kv_idx = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
+        inputs = {"input_ids": batch.input_ids, "positions": batch.positions, "out_cache_loc": batch.out_cache_loc,
+                  "seq_lens": batch.seq_lens, "kv_idx": kv_idx}
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        return self.graph_runner.run(inputs, bucket, max(1, kv_idx.shape[1])).clone()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one batch; returns float32 logits ``[B, vocab]`` (or ``[T, vocab]``
-        with ``return_all_logits``; ``[0, vocab]`` for IDLE)."""
+        with ``return_all_logits``; ``[0, vocab]`` for IDLE).
+
+        Through the decode-graph runner when :meth:`_graph_bucket` gives a bucket
+        (module docstring); eagerly otherwise."""
+        bucket = self._graph_bucket(batch)
+        if bucket is not None:
+            return self._forward_graph(batch, bucket)
         meta = ForwardContext.build(batch, self.device)
-        meta.global_num_tokens = batch.global_num_tokens  # DP attention's FFN gather (issue 5)
+        meta.global_num_tokens = batch.global_num_tokens  # DP attention's FFN gather
         hidden = self.model(batch.input_ids.to(self.device), meta, self.kv_pool)
         if not batch.return_all_logits:
             hidden = hidden.index_select(0, meta.last_token_idx)

@@ -142,7 +142,8 @@ def _make_runner(args: ServerArgs, pstate: Any) -> Any:
 
     return ModelRunner(model_path=args.model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
                        mem_fraction_static=args.mem_fraction_static, pstate=pstate, device=args.device,
-                       show_progress=False)
+                       show_progress=False, disable_cuda_graph=args.disable_cuda_graph,
+                       cuda_graph_max_bs=args.cuda_graph_max_bs)
 
 
 def load_tokenizer_for(args: ServerArgs) -> Any:

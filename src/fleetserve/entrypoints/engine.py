@@ -48,7 +48,9 @@ class Engine:
 
             model_runner = ModelRunner(model_path=args.model_path, dtype=args.dtype,
                                        max_total_tokens=args.max_total_tokens,
-                                       mem_fraction_static=args.mem_fraction_static, device=args.device)
+                                       mem_fraction_static=args.mem_fraction_static, device=args.device,
+                                       disable_cuda_graph=args.disable_cuda_graph,
+                                       cuda_graph_max_bs=args.cuda_graph_max_bs)
         self.model_runner = model_runner
         if tokenizer is None and not args.skip_tokenizer_init:
             from fleetserve.engine.scheduler_process import load_tokenizer_for

@@ -193,6 +193,10 @@ class DeepseekMoE(nn.Module):
     reduction is a no-op.
     """
 
+    #: Routing reads expert counts on the host (``bincount(...).tolist()``) and sizes each
+    #: expert's matmul by them, so a CUDA graph cannot capture it (the model runner checks).
+    cuda_graph_safe = False
+
     def __init__(self, config: Any, pstate: ParallelState = SINGLE_RANK_STATE, dtype: torch.dtype = torch.float32):
         super().__init__()
         is_v3 = getattr(config, "model_type", "") == "deepseek_v3"

@@ -51,7 +51,8 @@ def build_rank_engine(rank: int, model_path: str, timeout_s: float = 30.0, **ser
     args = dataclasses.replace(args, schedule_conservativeness=cons, chunked_prefill_size=chunk)
     runner = ModelRunner(model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
                          mem_fraction_static=args.mem_fraction_static, pstate=ps, device=args.device,
-                         show_progress=False)
+                         show_progress=False, disable_cuda_graph=args.disable_cuda_graph,
+                         cuda_graph_max_bs=args.cuda_graph_max_bs)
     hook = dp_attention_hook(ps, args.device) if ps.attn_dp_size > 1 else None
     return RankEngine(Scheduler(args, runner, tokenizer=None, dp_hook=hook), runner, ps, args)
 

@@ -49,7 +49,8 @@ def reference(n, seed):
 
 
 def rank_expert_fn(ps):
-    start, end = ps.local_expert_range(E)
+    disp = EPDispatcher(ps, E)  # the dispatcher's own split of the experts over EP ranks
+    start, end = disp.expert_start, disp.expert_end
     step = I // ps.moe_tp_size
     return make_expert_fn(start, end, slice(ps.moe_tp_rank * step, (ps.moe_tp_rank + 1) * step))
 

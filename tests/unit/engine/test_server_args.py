@@ -41,7 +41,16 @@ def test_defaults_match_dataclass():
     {"nnodes": 2},
     {"max_running_requests": 0},
     {"port": 99999},
+    {"cuda_graph_max_bs": 0},
 ])
 def test_impossible_combinations_raise(kwargs):
     with pytest.raises(ValueError):
         ServerArgs(**kwargs)
+
+
+def test_cuda_graph_flags_parse_and_default_off_nowhere():
+    a = parse(["--disable-cuda-graph", "--cuda-graph-max-bs", "16"])
+    assert a.disable_cuda_graph is True and a.cuda_graph_max_bs == 16
+    b = parse([])
+    # Not disabled by default: graphs are used wherever they exist (CUDA); CPU has none.
+    assert b.disable_cuda_graph is False and b.cuda_graph_max_bs is None
