@@ -166,19 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     from fleetserve.engine.args import ServerArgs
     from fleetserve.engine.model_runner import ModelRunner
     from fleetserve.engine.scheduler import Scheduler
-    from fleetserve.engine.scheduler_process import load_tokenizer_for
     from fleetserve.models.registry import default_model_path
+    from fleetserve.models.tokenizer import load_tokenizer
 
     path = default_model_path()
     print(f"loading {path}", flush=True)
     runner = ModelRunner(path, dtype=args.dtype, max_total_tokens=32768, show_progress=False)
-    tok = load_tokenizer_for(ServerArgs(model_path=path))
+    tok = load_tokenizer(path)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
-    sched = Scheduler(ServerArgs(model_path=path, random_seed=0), runner, tokenizer=tok)
+    sched = Scheduler(ServerArgs(model_path=path, random_seed=0), runner)
 
     levels = [int(c) for c in args.concurrency.split(",")]
     # warm-up both (first calls allocate and pick kernels)

@@ -61,8 +61,8 @@ class FakeRunner:
         return torch.stack(rows).float()
 
 
-def make_scheduler(pool_size=512, vocab_size=50, eos=(), tokenizer=None, **kw):
+def make_scheduler(pool_size=512, vocab_size=50, eos=(), **kw):
     runner = FakeRunner(pool_size=pool_size, vocab_size=vocab_size, eos_token_ids=eos)
     kw.setdefault("random_seed", 0)
     args = ServerArgs(**kw)
-    return Scheduler(args, runner, tokenizer=tokenizer, check_invariants=True)
+    return Scheduler(args, runner, check_invariants=True)

@@ -2,9 +2,12 @@
 
 The HTTP process tokenizes, sends :class:`TokenizedGenerateReq`; each scheduler
 step answers with one :class:`BatchTokenOut` carrying, per request, the tokens
-generated since the last message. Detokenization (incremental, UTF-8 safe) and
-stop-string trimming of the *text* happen in the HTTP process; the scheduler
-decides *when* a request finishes (EOS, stop token, stop string, length, abort).
+generated since the last message. The scheduler ends a request on EOS, a stop
+token id, its length limit or an abort. Everything about text happens on the
+detokenizing side (the HTTP process, or the offline ``fleetserve.Engine``):
+incremental UTF-8 safe detokenization and stop strings. When that side finds a
+stop string it ends the request for its client and sends :class:`AbortReq` so
+the scheduler stops generating and frees the request's KV.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class ReqOutput:
         rid: request id.
         new_token_ids: tokens generated since the last message.
         finished: this is the request's last message.
-        finish_reason: ``{"type": "stop", "matched": <token id | stop str>}``,
+        finish_reason: ``{"type": "stop", "matched": <token id>}``,
             ``{"type": "length", "length": n}``, ``{"type": "abort", "message": ...}``; ``None`` while running.
         prompt_tokens / completion_tokens / cached_tokens: counts so far
             (``cached_tokens``: prompt tokens served from the radix cache).

@@ -137,7 +137,7 @@ def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoint
 
         from fleetserve.engine.scheduler import Scheduler
         from fleetserve.engine.dp_attention_hook import dp_attention_hook
-        from fleetserve.engine.scheduler_process import _make_runner, load_tokenizer_for
+        from fleetserve.engine.scheduler_process import _make_runner
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.world_size)))
         cfg = ParallelConfig.from_server_args(args)
@@ -150,9 +150,8 @@ def run_rank(global_rank: int, args: Any, init_methods: list[str], rank_endpoint
         cons, chunk = dp_schedule_rule(args.schedule_conservativeness, args.chunked_prefill_size, ps.attn_dp_size)
         args = dataclasses.replace(args, schedule_conservativeness=cons, chunked_prefill_size=chunk, device=device)
         runner = _make_runner(args, ps)
-        tokenizer = load_tokenizer_for(args)
         hook = dp_attention_hook(ps, device) if ps.attn_dp_size > 1 else None
-        scheduler = Scheduler(args, runner, tokenizer=tokenizer, dp_hook=hook)
+        scheduler = Scheduler(args, runner, dp_hook=hook)
         dp_rank = ps.attn_dp_rank if ps.attn_dp_size > 1 else replica
         leader = ps.attn_tp_rank == 0
         loop_cls, zmq = _loop_class()

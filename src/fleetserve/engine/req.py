@@ -41,7 +41,7 @@ class Req:
         "stream", "output_ids", "kv_slots", "num_kv", "num_tree", "last_node", "extend_len",
         "cached_tokens", "finish_reason", "generator", "arrival", "sent_tokens", "input_logprobs",
         "input_top_logprobs", "input_logprobs_sent", "output_logprobs", "output_top_logprobs",
-        "max_len", "stop_check_len", "prefix_matched", "is_retracted", "steps_since_stream", "extra",
+        "max_len", "prefix_matched", "is_retracted", "steps_since_stream", "extra",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, *, return_logprob: bool = False,
@@ -72,7 +72,6 @@ class Req:
         self.output_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.max_len = 0  # set by the scheduler: context limit on prompt + output
-        self.stop_check_len = 0
         self.prefix_matched = False
         self.is_retracted = False
         self.steps_since_stream = 0

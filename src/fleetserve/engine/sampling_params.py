@@ -33,7 +33,8 @@ class SamplingParams:
             tokens already in prompt or output; 1 disables.
         frequency_penalty / presence_penalty: OpenAI's additive penalties over the
             output tokens so far, in [-2, 2].
-        stop: stop strings (the matched string is not part of the returned text).
+        stop: stop strings (the matched string is not part of the returned text). Only the
+            detokenizing side reads them; the scheduler ignores this field.
         stop_token_ids: extra token ids that end generation.
         ignore_eos: keep generating past the model's EOS.
         n: parallel samples sharing one prefill.

@@ -11,6 +11,10 @@ One call to :meth:`Scheduler.step` is one iteration::
 
 Requests enter with :meth:`add_request` and leave with an io_struct
 :class:`~fleetserve.engine.io_struct.ReqOutput` whose ``finished`` is True.
+The scheduler ends a request on EOS, a stop token id, its length limit or an
+abort. It never sees text: stop *strings* belong to the detokenizing side
+(:class:`fleetserve.entrypoints.detokenizer.RequestDetokenizer`), which aborts
+the request here once it finds one.
 
 KV bookkeeping: each request locks the radix-tree node of its cached prefix.
 After every EXTEND its computed tokens are inserted into the tree (so later
@@ -67,16 +71,14 @@ class Scheduler:
         model_runner: object with ``forward(ForwardBatch) -> float32 logits``,
             ``allocator`` (:class:`TokenSlotAllocator`), ``vocab_size``,
             ``max_context_len`` and ``eos_token_ids``.
-        tokenizer: used only to detect stop strings (``decode(ids) -> str``); may be None.
         dp_hook: see the module docstring.
         check_invariants: run :func:`check_kv_invariant` after every step (tests).
     """
 
-    def __init__(self, server_args: ServerArgs, model_runner: Any, tokenizer: Any = None,
-                 dp_hook: DpHook | None = None, check_invariants: bool = False):
+    def __init__(self, server_args: ServerArgs, model_runner: Any, dp_hook: DpHook | None = None,
+                 check_invariants: bool = False):
         self.args = server_args
         self.runner = model_runner
-        self.tokenizer = tokenizer
         self.dp_hook = dp_hook
         self.check_invariants = check_invariants
         self.allocator = model_runner.allocator
@@ -119,8 +121,6 @@ class Scheduler:
         if problem is not None:
             req.finish_reason = {"type": "abort", "message": problem}
             return [self._make_output(req)]
-        if req.sampling.stop and self.tokenizer is not None:
-            req.stop_check_len = max(len(s) for s in req.sampling.stop) + 2
         self.waiting.append(req)
         return []
 
@@ -452,12 +452,6 @@ class Scheduler:
             r.finish_reason = {"type": "length", "length": sp.max_new_tokens}
         elif r.seq_len >= r.max_len:
             r.finish_reason = {"type": "length", "length": len(r.output_ids)}
-        elif r.stop_check_len:
-            tail = self.tokenizer.decode(r.output_ids[-r.stop_check_len:])
-            for s in sp.stop:
-                if s in tail:
-                    r.finish_reason = {"type": "stop", "matched": s}
-                    break
 
     def _input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         """Prompt logprobs: position ``q`` gets ``log_softmax(logits at q-1)[prompt[q]]``."""

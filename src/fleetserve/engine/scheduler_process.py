@@ -146,15 +146,6 @@ def _make_runner(args: ServerArgs, pstate: Any) -> Any:
                        cuda_graph_max_bs=args.cuda_graph_max_bs)
 
 
-def load_tokenizer_for(args: ServerArgs) -> Any:
-    """The model's tokenizer (stop strings need it); ``None`` with ``--skip-tokenizer-init``."""
-    if args.skip_tokenizer_init:
-        return None
-    from fleetserve.models.tokenizer import load_tokenizer
-
-    return load_tokenizer(args.tokenizer_path or args.model_path)
-
-
 def run_scheduler_process(args: ServerArgs, input_endpoint: str, output_endpoint: str, ready_writer: Any,
                           pstate: Any = None, dp_rank: int = 0, parent_pid: int | None = None) -> None:
     """Process entry point: load the model, connect, hand-shake, loop until terminated
@@ -175,9 +166,8 @@ def run_scheduler_process(args: ServerArgs, input_endpoint: str, output_endpoint
 
         pstate = pstate or SINGLE_RANK_STATE
         runner = _make_runner(args, pstate)
-        tokenizer = load_tokenizer_for(args)
         hook = dp_attention_hook(pstate, args.device) if pstate.attn_dp_size > 1 else None
-        scheduler = Scheduler(args, runner, tokenizer=tokenizer, dp_hook=hook)
+        scheduler = Scheduler(args, runner, dp_hook=hook)
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         recv.connect(input_endpoint)

@@ -1,4 +1,10 @@
-"""Incremental detokenization and stop-string hold-back (HTTP process side).
+"""Incremental detokenization and stop strings: the detokenizing side of a request.
+
+The scheduler ends a request on EOS, a stop token id, its length or an abort;
+it never decodes text. Stop strings are found here, and only here, for the
+HTTP server (:mod:`fleetserve.entrypoints.tokenizer_manager`) and the offline
+``fleetserve.Engine`` (:mod:`fleetserve.entrypoints.engine`) alike: both feed
+every scheduler message of a request through one :class:`RequestDetokenizer`.
 
 Two small state machines, combined per request by :class:`TextStream`:
 
@@ -27,6 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from fleetserve.engine.io_struct import ReqOutput
+from fleetserve.engine.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -178,6 +187,11 @@ class TextStream:
         return self.stop.matched
 
     @property
+    def decoded_len(self) -> int:
+        """Characters detokenized so far, emitted or still held back."""
+        return self._decoded_len
+
+    @property
     def finished(self) -> bool:
         return self.stop.matched is not None
 
@@ -213,3 +227,110 @@ class TextStream:
         text += self.stop.flush()
         self.text += text
         return text
+
+
+@dataclass
+class DetokenizedStep:
+    """What the detokenizing side makes of one scheduler message.
+
+    Attributes:
+        text: text to deliver now (UTF-8 complete; a stop string and what follows it removed).
+        token_ids: the message's tokens the client gets: all of them, or those up to and
+            including the one that completed a stop string.
+        token_offsets: per delivered token, the length of the output text before it.
+        output_logprobs / output_top_logprobs: the message's, cut to ``token_ids`` (None when not asked).
+        finished: the client's last step.
+        finish_reason: when finished, in the scheduler's form: ``{"type": "stop", "matched": <stop
+            string>}`` when a stop string ended the output, else the scheduler's own reason.
+        abort_scheduler: a stop string ended the output while the scheduler is still generating:
+            the caller must abort the request there (this frees its KV at once).
+        completion_tokens: tokens delivered so far (the usage count the client sees).
+    """
+
+    text: str
+    token_ids: list[int]
+    token_offsets: list[int]
+    output_logprobs: list[tuple[float, int]] | None
+    output_top_logprobs: list[list[tuple[float, int]]] | None
+    finished: bool
+    finish_reason: dict[str, Any] | None
+    abort_scheduler: bool
+    completion_tokens: int
+
+
+class RequestDetokenizer:
+    """One request's scheduler messages in, the client's text, tokens and finish out.
+
+    Args:
+        tokenizer: as for :class:`IncrementalDetokenizer`; ``None`` (``--skip-tokenizer-init``)
+            delivers tokens only: no text, and stop strings are not checked.
+        sampling: the request's parameters (``stop``, ``skip_special_tokens``).
+        per_token: detokenize token by token even without stop strings (needed for per-token
+            text offsets).
+        trim_stop_token: leave the text of a matched stop token id out of the text (the token
+            itself is still delivered and counted). The offline Engine does; the HTTP server
+            does not.
+    """
+
+    def __init__(self, tokenizer: Any, sampling: SamplingParams, per_token: bool = False,
+                 trim_stop_token: bool = False):
+        self.stream = (TextStream(tokenizer, sampling.stop, sampling.skip_special_tokens, per_token=per_token)
+                       if tokenizer is not None else None)
+        self.trim_stop_token = trim_stop_token
+        self.completion_tokens = 0
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        """All text delivered so far."""
+        return self.stream.text if self.stream is not None else ""
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self.stream.matched if self.stream is not None else None
+
+    def feed(self, out: ReqOutput) -> DetokenizedStep:
+        """Turn the next scheduler message of this request into the client's step.
+
+        Messages arriving after the request finished here (the scheduler's answer to the
+        abort) give an empty finished step.
+        """
+        ids = [int(t) for t in out.new_token_ids]
+        if self.finished:
+            return DetokenizedStep("", [], [], None, None, True, None, False, self.completion_tokens)
+        if self.stream is None:
+            text, consumed, stopped = "", len(ids), False
+            offsets = [0] * len(ids)
+        else:
+            fr = out.finish_reason or {}
+            trim = (self.trim_stop_token and out.finished and bool(ids)
+                    and isinstance(fr.get("matched"), int) and ids[-1] == fr["matched"])
+            step = self.stream.add(ids[:-1] if trim else ids)
+            text, consumed, stopped, offsets = step.text, step.consumed, step.stopped, list(step.token_offsets)
+            if trim and not stopped:  # the stop token is delivered, its text is not
+                consumed += 1
+                offsets.append(self.stream.decoded_len)
+        self.completion_tokens += consumed
+        finished = out.finished or stopped
+        finish_reason = None
+        if finished:
+            self.finished = True
+            if stopped:
+                finish_reason = {"type": "stop", "matched": self.stream.matched}
+            else:
+                if self.stream is not None:
+                    text += self.stream.finish()
+                finish_reason = out.finish_reason
+        return DetokenizedStep(
+            text=text,
+            token_ids=ids[:consumed],
+            token_offsets=offsets,
+            output_logprobs=out.output_logprobs[:consumed] if out.output_logprobs is not None else None,
+            output_top_logprobs=(out.output_top_logprobs[:consumed]
+                                 if out.output_top_logprobs is not None else None),
+            finished=finished,
+            finish_reason=finish_reason,
+            abort_scheduler=stopped and not out.finished,
+            completion_tokens=self.completion_tokens,
+        )

@@ -10,7 +10,9 @@ Like SGLang's offline ``sgl.Engine`` (and vLLM's ``LLM``)::
 Single rank, in-process: the :class:`~fleetserve.engine.scheduler.Scheduler`
 is stepped directly (no ZMQ, no extra process), so everything the HTTP server
 does to batches happens here too: radix cache, continuous batching, chunked
-prefill, retraction.
+prefill, retraction. Text and stop strings go through the server's own
+:class:`~fleetserve.entrypoints.detokenizer.RequestDetokenizer`: when it finds a
+stop string, the request is aborted on the scheduler, as the server does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fleetserve.engine.args import ServerArgs
 from fleetserve.engine.io_struct import ReqOutput, TokenizedGenerateReq
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.scheduler import Scheduler
+from fleetserve.entrypoints.detokenizer import RequestDetokenizer
 
 
 class Engine:
@@ -31,7 +34,9 @@ class Engine:
     Args:
         model_path: HF directory or ``.gguf``; ``None`` = built-in SmolLM2-135M-Instruct.
         model_runner: use this runner instead of loading one (tests, benchmarks).
-        tokenizer: use this tokenizer instead of loading the model's.
+        tokenizer: use this tokenizer instead of loading the model's. With
+            ``skip_tokenizer_init=True`` and no tokenizer, only ``input_ids`` are taken,
+            ``text`` is empty and stop strings are not checked.
         **server_args: any :class:`~fleetserve.engine.args.ServerArgs` field
             (``max_total_tokens``, ``dtype``, ``chunked_prefill_size``, ``disable_radix_cache`` ...).
 
@@ -53,13 +58,13 @@ class Engine:
                                        cuda_graph_max_bs=args.cuda_graph_max_bs)
         self.model_runner = model_runner
         if tokenizer is None and not args.skip_tokenizer_init:
-            from fleetserve.engine.scheduler_process import load_tokenizer_for
+            from fleetserve.models.tokenizer import load_tokenizer
 
             if args.model_path is None and getattr(model_runner, "model_path", None):
                 args.model_path = model_runner.model_path
-            tokenizer = load_tokenizer_for(args)
+            tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(args, model_runner, tokenizer=tokenizer)
+        self.scheduler = Scheduler(args, model_runner)
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- public
@@ -127,7 +132,9 @@ class Engine:
                 reqs.append(TokenizedGenerateReq(
                     rid=f"{uuid.uuid4().hex[:8]}-{next(self._ids)}", input_ids=ids, sampling=one,
                     return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                    logprob_start_len=logprob_start_len if return_logprob else -1))
+                    logprob_start_len=logprob_start_len if return_logprob else -1,
+                    # stop strings are checked as tokens arrive, so such requests stream
+                    stream=bool(one.stop) and self.tokenizer is not None))
         finals = self._run(reqs)
         results = [self._to_dict(r, finals[r.rid]) for r in reqs]
         return results[0] if single and len(results) == 1 else results
@@ -144,24 +151,35 @@ class Engine:
 
     # --------------------------------------------------------------- helpers
     def _run(self, reqs: list[TokenizedGenerateReq]) -> dict[str, dict[str, Any]]:
-        acc: dict[str, dict[str, Any]] = {r.rid: {"ids": [], "lp": [], "top": [], "last": None} for r in reqs}
+        acc: dict[str, dict[str, Any]] = {
+            r.rid: {"ids": [], "lp": [], "top": [], "last": None, "text": "", "finish_reason": None,
+                    "completion_tokens": 0,
+                    "detok": RequestDetokenizer(self.tokenizer, r.sampling, trim_stop_token=True)}
+            for r in reqs}
 
         def take(outs: list[ReqOutput]) -> None:
             for o in outs:
                 a = acc.get(o.rid)
-                if a is None:
+                if a is None or a["detok"].finished:  # e.g. the answer to our own abort
                     continue
-                a["ids"].extend(o.new_token_ids)
-                if o.output_logprobs is not None:
-                    a["lp"].extend(o.output_logprobs)
-                    a["top"].extend(o.output_top_logprobs or [])
+                step = a["detok"].feed(o)
+                a["ids"].extend(step.token_ids)
+                a["text"] += step.text
+                if step.output_logprobs is not None:
+                    a["lp"].extend(step.output_logprobs)
+                    a["top"].extend(step.output_top_logprobs or [])
                 if o.input_logprobs is not None:
                     a["in_lp"], a["in_top"] = o.input_logprobs, o.input_top_logprobs
                 a["last"] = o
+                if step.finished:
+                    a["finish_reason"] = step.finish_reason
+                    a["completion_tokens"] = step.completion_tokens
+                if step.abort_scheduler:  # a stop string ended it: stop generating, free the KV
+                    self.scheduler.abort(o.rid)
 
         for r in reqs:
             take(self.scheduler.add_request(r))
-        while any(a["last"] is None or not a["last"].finished for a in acc.values()):
+        while any(not a["detok"].finished for a in acc.values()):
             if not self.scheduler.has_work():
                 raise RuntimeError("scheduler went idle with unfinished requests")
             take(self.scheduler.step())
@@ -170,13 +188,12 @@ class Engine:
     def _to_dict(self, req: TokenizedGenerateReq, a: dict[str, Any]) -> dict[str, Any]:
         o: ReqOutput = a["last"]
         ids: list[int] = a["ids"]
-        fr = o.finish_reason
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": o.prompt_tokens,
-            "completion_tokens": o.completion_tokens,
+            "completion_tokens": a["completion_tokens"],
             "cached_tokens": o.cached_tokens,
-            "finish_reason": fr,
+            "finish_reason": a["finish_reason"],
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in a["lp"]]
@@ -185,18 +202,4 @@ class Engine:
             meta["input_token_logprobs"] = [(lp, t, None) for lp, t in a.get("in_lp") or []]
             meta["input_top_logprobs"] = [[(lp, t, None) for lp, t in top] if top is not None else None
                                           for top in a.get("in_top") or []]
-        return {"text": self._text(ids, req.sampling, fr), "output_ids": ids, "meta_info": meta}
-
-    def _text(self, ids: list[int], sp: SamplingParams, fr: dict[str, Any] | None) -> str:
-        """Decoded output without the matched stop token / stop string."""
-        if self.tokenizer is None:
-            return ""
-        matched = (fr or {}).get("matched")
-        if isinstance(matched, int) and ids and ids[-1] == matched:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
-        if isinstance(matched, str):
-            cut = text.find(matched)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        return {"text": a["text"], "output_ids": ids, "meta_info": meta}

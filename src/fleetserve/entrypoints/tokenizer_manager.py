@@ -13,9 +13,10 @@ Flow of one request::
   out to that request's queue; :class:`SchedulerStats` replies wake
   :meth:`get_stats` callers.
 * A :class:`GenerationStream` turns a request's token messages into text with
-  :class:`~fleetserve.entrypoints.detokenizer.TextStream` (UTF-8 safe, stop strings held
-  back). When it finds a stop string before the scheduler does, it aborts the
-  request on the scheduler so its KV is freed at once.
+  :class:`~fleetserve.entrypoints.detokenizer.RequestDetokenizer` (UTF-8 safe, stop
+  strings held back). Stop strings are found only there (the scheduler knows EOS,
+  stop token ids and lengths); when one ends the output, the stream finishes the
+  request for its client and aborts it on the scheduler, which frees its KV.
 * ``n > 1`` is sent as ``n`` requests sharing the prompt (the radix cache turns the
   shared prompt into one prefill); seeded requests use ``seed + i`` for sample ``i``.
 * Bad input raises :class:`~fleetserve.entrypoints.errors.APIError` (HTTP 400 with the
@@ -36,7 +37,7 @@ from typing import Any, AsyncIterator, Sequence
 import zmq
 import zmq.asyncio
 
-from fleetserve.entrypoints.detokenizer import TextStream
+from fleetserve.entrypoints.detokenizer import RequestDetokenizer
 from fleetserve.entrypoints.errors import APIError
 from fleetserve.engine.io_struct import (
     AbortReq,
@@ -122,8 +123,7 @@ class GenerationStream:
         self.rid = req.rid
         self.index = index
         self.queue: asyncio.Queue[ReqOutput] = asyncio.Queue()
-        self.text = TextStream(manager.tokenizer, req.sampling.stop, req.sampling.skip_special_tokens,
-                               per_token=bool(req.sampling.stop) or req.return_logprob)
+        self.detok = RequestDetokenizer(manager.tokenizer, req.sampling, per_token=req.return_logprob)
         self.finished = False
         self.created = time.perf_counter()
         self.last_time: float | None = None
@@ -152,39 +152,31 @@ class GenerationStream:
             else:
                 m.observe_tokens(n_new, now - self.last_time)
             self.last_time = now
-        step = self.text.add(out.new_token_ids)
-        ids = list(out.new_token_ids[: step.consumed])
-        self.completion_tokens += step.consumed
-        finished = out.finished or step.stopped
-        text = step.text
+        step = self.detok.feed(out)
+        self.completion_tokens = step.completion_tokens
         finish_reason = matched = abort_msg = None
-        if finished:
-            if step.stopped:
-                finish_reason, matched = "stop", self.text.matched
-            else:
-                text += self.text.finish()
-                finish_reason, matched, abort_msg = _openai_finish_reason(out.finish_reason, self.text.matched)
-        cut = step.consumed
+        if step.finished:
+            finish_reason, matched, abort_msg = _openai_finish_reason(step.finish_reason, self.detok.matched)
         res = TokenOutput(
             index=self.index,
-            text=text,
-            token_ids=ids,
+            text=step.text,
+            token_ids=step.token_ids,
             token_offsets=step.token_offsets,
-            finished=finished,
+            finished=step.finished,
             finish_reason=finish_reason,
             matched_stop=matched,
             prompt_tokens=out.prompt_tokens,
             completion_tokens=self.completion_tokens,
             cached_tokens=out.cached_tokens,
-            output_logprobs=out.output_logprobs[:cut] if out.output_logprobs is not None else None,
-            output_top_logprobs=out.output_top_logprobs[:cut] if out.output_top_logprobs is not None else None,
+            output_logprobs=step.output_logprobs,
+            output_top_logprobs=step.output_top_logprobs,
             input_logprobs=out.input_logprobs,
             input_top_logprobs=out.input_top_logprobs,
             abort_message=abort_msg,
         )
-        if finished:
+        if step.finished:
             self.finished = True
-            if not out.finished:  # we found a stop string first: stop the scheduler's work now
+            if step.abort_scheduler:  # a stop string ended it: the scheduler stops and frees the KV now
                 self.manager.send_abort(self.rid)
             self.manager.forget(self.rid)
             m.observe_finished(out.prompt_tokens, self.completion_tokens, out.cached_tokens, now - self.created)

@@ -54,7 +54,7 @@ def build_rank_engine(rank: int, model_path: str, timeout_s: float = 30.0, **ser
                          show_progress=False, disable_cuda_graph=args.disable_cuda_graph,
                          cuda_graph_max_bs=args.cuda_graph_max_bs)
     hook = dp_attention_hook(ps, args.device) if ps.attn_dp_size > 1 else None
-    return RankEngine(Scheduler(args, runner, tokenizer=None, dp_hook=hook), runner, ps, args)
+    return RankEngine(Scheduler(args, runner, dp_hook=hook), runner, ps, args)
 
 
 def drive(engine: RankEngine, arrivals: dict[int, list[Any]], aborts: dict[int, list[str]] | None = None,

@@ -12,7 +12,7 @@ class LetterTokenizer:
     def encode(self, text):
         return [ord(c) - 97 for c in text]
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join(chr(97 + t % 26) for t in ids)
 
 

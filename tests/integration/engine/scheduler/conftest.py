@@ -14,9 +14,9 @@ from fleetserve.engine.scheduler import Scheduler
 def smol(smollm2_runner):
     """(model runner, tokenizer) for SmolLM2-135M-Instruct in float32."""
     torch.set_num_threads(2)
-    from fleetserve.engine.scheduler_process import load_tokenizer_for
+    from fleetserve.models.tokenizer import load_tokenizer
 
-    tok = load_tokenizer_for(ServerArgs(model_path=smollm2_runner.model_path))
+    tok = load_tokenizer(smollm2_runner.model_path)
     return smollm2_runner, tok
 
 
@@ -35,16 +35,16 @@ class RunnerView:
         return getattr(self._runner, name)
 
 
-def make_scheduler(runner, tokenizer=None, pool_size=2048, **kw):
+def make_scheduler(runner, pool_size=2048, **kw):
     kw.setdefault("random_seed", 0)
-    return Scheduler(ServerArgs(**kw), RunnerView(runner, pool_size), tokenizer=tokenizer, check_invariants=True)
+    return Scheduler(ServerArgs(**kw), RunnerView(runner, pool_size), check_invariants=True)
 
 
 @pytest.fixture
 def smol_sched(smol):
     """Factory: a fresh scheduler on SmolLM2 (``pool_size`` and ServerArgs fields as keywords)."""
-    runner, tok = smol
-    return lambda **kw: make_scheduler(runner, tokenizer=tok, **kw)
+    runner, _ = smol
+    return lambda **kw: make_scheduler(runner, **kw)
 
 
 @pytest.fixture
