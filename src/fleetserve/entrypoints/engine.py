@@ -26,6 +26,7 @@ from fleetserve.engine.io_struct import ReqOutput, TokenizedGenerateReq
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.engine.scheduler import Scheduler
 from fleetserve.entrypoints.detokenizer import RequestDetokenizer
+from fleetserve.entrypoints.validation import check_input_ids, generate_sampling_dicts, native_sampling
 
 
 class Engine:
@@ -94,8 +95,11 @@ class Engine:
             ``n == 1`` returns the dict itself.
 
         Raises:
-            ValueError: neither or both of ``prompt`` / ``input_ids``; an empty prompt; a token
-                id that is not an int in ``[0, vocab_size)``; bad sampling params.
+            ValueError: neither or both of ``prompt`` / ``input_ids``. The checks shared with
+                ``POST /generate`` (:mod:`fleetserve.entrypoints.validation`) raise its
+                ``APIError`` (a ValueError): a ``sampling_params`` list without one dict
+                per prompt; an empty prompt; a token id that is not an int in
+                ``[0, vocab_size)``; an unknown or out-of-range sampling parameter.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -107,21 +111,12 @@ class Engine:
             id_lists = [list(self.tokenizer.encode(t)) for t in texts]
         else:
             id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(id_lists):
-                raise ValueError(f"{len(sampling_params)} sampling_params for {len(id_lists)} prompts")
-            sp_list = [SamplingParams.from_dict(d) for d in sampling_params]
-        else:
-            sp_list = [SamplingParams.from_dict(sampling_params) for _ in id_lists]
+        raw_sampling = generate_sampling_dicts(sampling_params, len(id_lists))
         vocab = self.scheduler.vocab_size
-        for k, ids in enumerate(id_lists):
-            if not ids:
-                raise ValueError(f"prompt {k} is empty")
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {k}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
-        for sp in sp_list:
-            sp.verify(vocab)
+        id_lists = [check_input_ids(ids, vocab, f"prompt {k}") for k, ids in enumerate(id_lists)]
+        # no context check here: the scheduler answers a prompt that does not fit with an abort
+        sp_list = [native_sampling(d, prompt_len=len(ids), vocab_size=vocab, context_length=None)
+                   for ids, d in zip(id_lists, raw_sampling)]
 
         reqs: list[TokenizedGenerateReq] = []
         for ids, sp in zip(id_lists, sp_list):

@@ -1,17 +1,17 @@
-"""OpenAI-style JSON errors for the engine's HTTP API.
+"""The one error type of a refused request.
 
-Every bad request is answered with a 4xx status and the body
+Every check a request goes through before it reaches the scheduler (body
+parsing, the OpenAI and SGLang field rules, sampling ranges, context fit, token
+ids) raises :class:`APIError`. It is plain Python: the HTTP layer
+(:mod:`fleetserve.entrypoints.http.errors`) turns it into the OpenAI-style body
 ``{"error": {"message": str, "type": str, "param": str | None, "code": int | str | None}}``
-(the shape the OpenAI API and the ``openai`` Python client expect), and the
-server keeps serving.
+with ``status`` as the HTTP status, and the offline :class:`~fleetserve.entrypoints.engine.Engine`
+lets it propagate (it is a ``ValueError``).
 """
 
 from __future__ import annotations
 
-from http import HTTPStatus
 from typing import Any
-
-from fastapi.responses import JSONResponse
 
 # OpenAI's error "type" for each status we emit.
 _TYPE_BY_STATUS = {
@@ -28,8 +28,8 @@ _TYPE_BY_STATUS = {
 }
 
 
-class APIError(Exception):
-    """An error to answer with an OpenAI-style JSON body.
+class APIError(ValueError):
+    """A request the server refuses, with what an OpenAI client needs to know why.
 
     Args:
         message: human-readable explanation.
@@ -55,41 +55,5 @@ class APIError(Exception):
         self.type = type or _TYPE_BY_STATUS.get(self.status, "invalid_request_error")
 
     def to_dict(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}``, the OpenAI error body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.to_dict(), status_code=self.status, headers=headers)
-
-
-def error_response(message: str, status: int = 400, param: str | None = None, code: int | str | None = None) -> JSONResponse:
-    """Shortcut: build the JSON error response directly."""
-    return APIError(message, status, param, code).response()
-
-
-def status_phrase(status: int) -> str:
-    """``404 -> "Not Found"`` (for errors raised by the framework without a message)."""
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Error"
-
-
-def loc_to_param(loc: tuple | list) -> str | None:
-    """Turn a pydantic error location into a dotted parameter name.
-
-    ``("body", "messages", 0, "content") -> "messages.0.content"``; union branch
-    labels that pydantic inserts (``"list[int]"``, ``"function-after[...]"``) are dropped.
-    """
-    parts: list[str] = []
-    for item in loc:
-        if item == "body" and not parts:
-            continue
-        if isinstance(item, int):
-            parts.append(str(item))
-            continue
-        s = str(item)
-        if any(ch in s for ch in "[]()") or s in {"str", "int", "float", "bool", "list", "dict", "none"}:
-            continue
-        parts.append(s)
-    return ".".join(parts) or None

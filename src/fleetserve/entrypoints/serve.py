@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         # Bind first (the tokenizer manager owns both sockets), then start the children.
         import uvicorn
 
-        from fleetserve.entrypoints.http_server import create_app
+        from fleetserve.entrypoints.http import create_app
         from fleetserve.entrypoints.tokenizer_manager import ModelInfo, TokenizerManager
 
         loop = asyncio.new_event_loop()

@@ -19,8 +19,9 @@ Flow of one request::
   request for its client and aborts it on the scheduler, which frees its KV.
 * ``n > 1`` is sent as ``n`` requests sharing the prompt (the radix cache turns the
   shared prompt into one prefill); seeded requests use ``seed + i`` for sample ``i``.
-* Bad input raises :class:`~fleetserve.entrypoints.errors.APIError` (HTTP 400 with the
-  offending parameter), never reaches the scheduler, and leaves the server serving.
+* Requests arrive checked (:mod:`fleetserve.entrypoints.validation`); what only
+  this side can refuse (a chat template that rejects the messages, a request id
+  already running) raises :class:`~fleetserve.entrypoints.errors.APIError`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import pickle
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
@@ -49,7 +50,7 @@ from fleetserve.engine.io_struct import (
     TokenizedGenerateReq,
 )
 from fleetserve.entrypoints.metrics import EngineMetrics
-from fleetserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from fleetserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,6 @@ class ModelInfo:
     vocab_size: int
     context_length: int
     eos_token_ids: list[int] = field(default_factory=list)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass
@@ -426,51 +423,6 @@ class TokenizerManager:
             if all(ch in decoder for ch in tok):
                 return [decoder[ch] for ch in tok]
         return list(self.token_text(token_id).encode("utf-8"))
-
-    # --------------------------------------------------------------- validating
-    def check_input_ids(self, ids: Sequence[Any], param: str) -> list[int]:
-        """Raise 400 unless ``ids`` is a non-empty list of ints in ``[0, vocab_size)``."""
-        if len(ids) == 0:
-            raise APIError(f"{param} must not be empty", 400, param)
-        v = self.info.vocab_size
-        for i, t in enumerate(ids):
-            if not _is_int(t):
-                raise APIError(f"token ids must be integers; {param}[{i}] is {t!r}", 400, param)
-            if not 0 <= t < v:
-                raise APIError(f"token id {t} at {param}[{i}] is outside the vocabulary [0, {v})", 400, param)
-        return list(ids)
-
-    def build_sampling(self, fields: dict[str, Any], prompt_len: int, max_tokens_param: str = "max_tokens",
-                       default_max_tokens: int | None = None) -> SamplingParams:
-        """Make and verify :class:`SamplingParams`; fit ``max_new_tokens`` into the context.
-
-        ``fields`` uses SamplingParams names; ``max_new_tokens=None`` means
-        ``default_max_tokens`` or, if that is None too, whatever room the context leaves.
-        Raises APIError(400) naming the request parameter.
-        """
-        ctx = self.info.context_length
-        if prompt_len >= ctx:
-            raise APIError(
-                f"the prompt has {prompt_len} tokens, the model's context is {ctx} tokens", 400, "prompt", "context_length_exceeded")
-        fields = {k: v for k, v in fields.items() if v is not None or k == "max_new_tokens"}
-        if fields.get("max_new_tokens") is None:
-            fields["max_new_tokens"] = default_max_tokens if default_max_tokens is not None else ctx - prompt_len
-            if default_max_tokens is not None:
-                fields["max_new_tokens"] = min(default_max_tokens, ctx - prompt_len)
-        try:
-            sp = SamplingParams.from_dict(fields)
-            sp.verify(self.info.vocab_size)
-        except SamplingParamsError as e:
-            param = max_tokens_param if e.param == "max_new_tokens" else e.param
-            raise APIError(str(e), 400, param) from e
-        except TypeError as e:
-            raise APIError(str(e), 400, None) from e
-        if prompt_len + sp.max_new_tokens > ctx:
-            raise APIError(
-                f"this model's maximum context length is {ctx} tokens; the prompt has {prompt_len} tokens and "
-                f"{max_tokens_param}={sp.max_new_tokens} asks for {prompt_len + sp.max_new_tokens}",
-                400, max_tokens_param, "context_length_exceeded")
-        return sp
 
     # ---------------------------------------------------------------- submitting
     def submit(self, input_ids: list[int], sampling: SamplingParams, *, return_logprob: bool = False,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pickle
 import threading
-import time
 
 import zmq
 

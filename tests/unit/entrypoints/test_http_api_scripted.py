@@ -23,7 +23,7 @@ import uvicorn
 sys.path.insert(0, os.path.dirname(__file__))
 from scripted_scheduler import SCRIPT, ByteTokenizer, ScriptedScheduler  # noqa: E402
 
-from fleetserve.entrypoints.http_server import create_app  # noqa: E402
+from fleetserve.entrypoints.http import create_app  # noqa: E402
 from fleetserve.entrypoints.tokenizer_manager import ModelInfo, TokenizerManager  # noqa: E402
 
 MODEL = "toy"

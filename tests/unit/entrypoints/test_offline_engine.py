@@ -4,6 +4,7 @@ import pytest
 
 
 from fleetserve.entrypoints.engine import Engine
+from fleetserve.entrypoints.errors import APIError
 
 
 class LetterTokenizer:
@@ -84,3 +85,13 @@ def test_bad_token_ids_raise_and_engine_keeps_working(engine, ids):
     ok = engine.generate(input_ids=[1, 2, 3], sampling_params={"temperature": 0, "max_new_tokens": 2,
                                                                "ignore_eos": True})
     assert len(ok["output_ids"]) == 2
+
+
+def test_offline_and_http_refuse_with_the_same_error(engine):
+    """Engine.generate goes through the validation of POST /generate: same error type, same field names."""
+    with pytest.raises(APIError) as err:
+        engine.generate("a", {"temperature": -1})
+    assert err.value.param == "sampling_params.temperature" and err.value.status == 400
+    with pytest.raises(APIError) as err:
+        engine.generate("a", {"temp": 1})
+    assert err.value.param == "sampling_params.temp"

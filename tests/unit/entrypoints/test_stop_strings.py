@@ -16,6 +16,7 @@ from fleetserve.engine.io_struct import ReqOutput, TokenizedGenerateReq
 from fleetserve.engine.sampling_params import SamplingParams
 from fleetserve.entrypoints.detokenizer import RequestDetokenizer
 from fleetserve.entrypoints.engine import Engine
+from fleetserve.entrypoints.validation import native_sampling
 
 sys.path.insert(0, os.path.dirname(__file__))
 from scripted_scheduler import SCRIPT, ByteTokenizer, ScriptedScheduler  # noqa: E402
@@ -159,7 +160,8 @@ def test_tokenizer_manager_aborts_the_scheduler_on_a_stop_string():
         sched = ScriptedScheduler(in_ep, out_ep, delay=0.01)
         try:
             await tm.wait_connected(10)
-            sp = tm.build_sampling({"max_new_tokens": 40, "stop": ["STOP"]}, 1)
+            sp = native_sampling({"max_new_tokens": 40, "stop": ["STOP"]}, prompt_len=1, vocab_size=257,
+                                 context_length=200)
             [stream] = tm.submit([120], sp, rid="stop-1")
             outs = [o async for o in stream]
             t0 = time.monotonic()

@@ -1,0 +1,126 @@
+"""entrypoints.validation: one function per request dialect, one error type, the client's field names."""
+
+import pytest
+
+from fleetserve.entrypoints.errors import APIError
+from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from fleetserve.entrypoints.validation import (
+    chat_messages,
+    chat_sampling,
+    check_input_ids,
+    completion_prompts,
+    completion_sampling,
+    fit_sampling,
+    generate_prompts,
+    generate_rids,
+    generate_sampling_dicts,
+    native_sampling,
+)
+
+VOCAB, CTX = 50, 100
+LIMITS = {"vocab_size": VOCAB, "context_length": CTX}
+USER = [{"role": "user", "content": "hi"}]
+
+
+def refused(fn, *args, **kwargs) -> APIError:
+    with pytest.raises(APIError) as err:
+        fn(*args, **kwargs)
+    return err.value
+
+
+def test_the_error_is_a_plain_value_error():
+    e = APIError("nope", 413, "prompt", "request_too_large")
+    assert isinstance(e, ValueError)
+    assert e.to_dict() == {"error": {"message": "nope", "type": "invalid_request_error", "param": "prompt",
+                                     "code": "request_too_large"}}
+    assert APIError("down", 503).to_dict()["error"]["code"] == 503
+
+
+def test_completion_default_max_tokens_is_16_capped_by_the_room_left():
+    req = CompletionRequest(prompt="x")
+    assert completion_sampling(req, prompt_len=10, **LIMITS).max_new_tokens == 16
+    assert completion_sampling(req, prompt_len=CTX - 5, **LIMITS).max_new_tokens == 5
+
+
+def test_chat_without_max_tokens_gets_the_whole_room():
+    req = ChatCompletionRequest(messages=USER)
+    assert chat_sampling(req, prompt_len=30, **LIMITS).max_new_tokens == CTX - 30
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"max_completion_tokens": 90}, "max_completion_tokens"),
+    ({"max_tokens": 90}, "max_tokens"),
+    ({"max_tokens": 1, "max_completion_tokens": 90}, "max_completion_tokens"),
+])
+def test_chat_overflow_names_the_field_the_client_sent(fields, param):
+    e = refused(chat_sampling, ChatCompletionRequest(messages=USER, **fields), prompt_len=20, **LIMITS)
+    assert (e.status, e.param, e.code) == (400, param, "context_length_exceeded")
+
+
+def test_prompt_filling_the_context_is_blamed_on_the_prompt():
+    e = refused(fit_sampling, {"max_new_tokens": 1}, prompt_len=CTX, **LIMITS)
+    assert e.param == "prompt" and e.code == "context_length_exceeded"
+
+
+def test_range_errors_name_the_sampling_field():
+    e = refused(completion_sampling, CompletionRequest(prompt="x", top_p=1.5), prompt_len=1, **LIMITS)
+    assert e.param == "top_p" and "top_p" in e.message
+    e = refused(completion_sampling, CompletionRequest(prompt="x", stop_token_ids=[VOCAB]), prompt_len=1, **LIMITS)
+    assert e.param == "stop_token_ids"
+
+
+def test_native_sampling_prefixes_fields_and_defaults_to_128():
+    assert native_sampling(None, prompt_len=1, vocab_size=VOCAB, context_length=None).max_new_tokens == 128
+    assert native_sampling({"max_new_tokens": None}, prompt_len=10, **LIMITS).max_new_tokens == CTX - 10
+    assert refused(native_sampling, {"temp": 1}, prompt_len=1, **LIMITS).param == "sampling_params.temp"
+    assert refused(native_sampling, {"temperature": -1}, prompt_len=1, **LIMITS).param == "sampling_params.temperature"
+    assert refused(native_sampling, {"max_new_tokens": 200}, prompt_len=1, **LIMITS).param == \
+        "sampling_params.max_new_tokens"
+    assert refused(native_sampling, {}, prompt_len=CTX, **LIMITS).param == "prompt"
+
+
+def test_native_sampling_without_a_context_skips_the_fit():
+    sp = native_sampling({"max_new_tokens": 10_000, "stop": "x"}, prompt_len=10_000, vocab_size=VOCAB,
+                         context_length=None)
+    assert sp.max_new_tokens == 10_000 and sp.stop == ["x"]
+
+
+@pytest.mark.parametrize("ids,message", [
+    ([], "p must not be empty"),
+    ([1, True], "token ids must be integers; p[1] is True"),
+    ([VOCAB], f"token id {VOCAB} at p[0] is outside the vocabulary [0, {VOCAB})"),
+])
+def test_check_input_ids_messages(ids, message):
+    e = refused(check_input_ids, ids, VOCAB, "p")
+    assert e.message == message and e.param == "p"
+
+
+def test_completion_prompt_forms():
+    enc = lambda t: [ord(c) % VOCAB for c in t]  # noqa: E731
+    assert completion_prompts("ab", enc, VOCAB) == [enc("ab")]
+    assert completion_prompts(["a", "b"], enc, VOCAB) == [enc("a"), enc("b")]
+    assert completion_prompts([[1], [2, 3]], enc, VOCAB) == [[1], [2, 3]]
+    assert completion_prompts([4, 5], enc, VOCAB) == [[4, 5]]
+    assert refused(completion_prompts, ["a", ""], enc, VOCAB).message == "prompt[1] must not be empty"
+
+
+def test_generate_batch_fields():
+    enc = lambda t: [1] * len(t)  # noqa: E731
+    assert generate_prompts(GenerateRequest(input_ids=[[1], [2]]), enc, VOCAB) == [[1], [2]]
+    assert refused(generate_prompts, GenerateRequest(text="a", input_ids=[1]), enc, VOCAB).param == "text"
+    assert refused(generate_prompts, GenerateRequest(text=["a", ""]), enc, VOCAB).param == "text"
+    assert generate_sampling_dicts({"n": 2}, 3) == [{"n": 2}] * 3
+    assert refused(generate_sampling_dicts, [{}], 2).param == "sampling_params"
+    assert generate_rids(None, 2) == [None, None] and generate_rids(["a", "b"], 2) == ["a", "b"]
+    assert refused(generate_rids, "a", 2).param == "rid"  # one id cannot name two prompts
+
+
+def test_chat_messages_join_text_parts_and_rename_developer():
+    req = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u"}])
+    assert chat_messages(req) == [{"role": "system", "content": "be brief"},
+                                  {"role": "user", "content": "a\nb", "name": "u"}]
+    bad = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    assert refused(chat_messages, bad).param == "messages.0.content.0.type"
+    assert refused(chat_messages, ChatCompletionRequest(messages=[{"role": "user"}])).param == "messages"
