@@ -1,8 +1,11 @@
-"""Messages between the HTTP process and the scheduler process(es) (over ZMQ, pickled).
+"""Every message between the HTTP process and the scheduler process(es).
 
 The HTTP process tokenizes, sends :class:`TokenizedGenerateReq`; each scheduler
 step answers with one :class:`BatchTokenOut` carrying, per request, the tokens
-generated since the last message. Detokenization (incremental, UTF-8 safe) and
+generated since the last message. :class:`AbortReq`, :class:`FlushCacheReq` and
+:class:`GetStatsReq` go the same way; :class:`FlushCacheOut` and
+:class:`SchedulerStats` answer the last two. How they travel over ZMQ (a small
+header frame, then the pickled message) is :mod:`fleetserve.engine.io_frames`. Detokenization (incremental, UTF-8 safe) and
 stop-string trimming of the *text* happen in the HTTP process; the scheduler
 decides *when* a request finishes (EOS, stop token, stop string, length, abort).
 """
@@ -53,6 +56,14 @@ class FlushCacheReq:
 @dataclass
 class GetStatsReq:
     pass
+
+
+@dataclass
+class FlushCacheOut:
+    """Answer to :class:`FlushCacheReq`: False while requests are queued or running."""
+
+    success: bool
+    dp_rank: int = 0
 
 
 @dataclass

@@ -87,7 +87,7 @@ def test_bfloat16_serving_is_close_to_float32(tiny_llama_dir, v3_runner, tiny_de
 def test_uneven_batch_is_split_into_groups_with_same_logits(which, v3_runner, tiny_llama_dir):
     """One long prompt with many short ones: padding everything to one shape would
     waste most of the work, so attention runs per length group -- same logits."""
-    from fleetserve.layers.attention import _group_requests
+    from fleetserve.core.forward_context import _group_requests
 
     runner = v3_runner if which == "v3" else ModelRunner(tiny_llama_dir, dtype="float32", max_total_tokens=1024,
                                                          show_progress=False)

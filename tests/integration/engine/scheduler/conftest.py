@@ -7,6 +7,7 @@ import torch
 
 from fleetserve.engine.args import ServerArgs
 from fleetserve.core.kv_pool import TokenSlotAllocator
+from fleetserve.engine.rank_builder import load_tokenizer_for
 from fleetserve.engine.scheduler import Scheduler
 
 
@@ -14,8 +15,6 @@ from fleetserve.engine.scheduler import Scheduler
 def smol(smollm2_runner):
     """(model runner, tokenizer) for SmolLM2-135M-Instruct in float32."""
     torch.set_num_threads(2)
-    from fleetserve.engine.scheduler_process import load_tokenizer_for
-
     tok = load_tokenizer_for(ServerArgs(model_path=smollm2_runner.model_path))
     return smollm2_runner, tok
 
