@@ -163,22 +163,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
+    from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
     from fleetserve.engine.args import ServerArgs
-    from fleetserve.engine.model_runner import ModelRunner
-    from fleetserve.engine.scheduler import Scheduler
+    from fleetserve.engine.rank_builder import build_rank
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer
 
     path = default_model_path()
     print(f"loading {path}", flush=True)
-    runner = ModelRunner(path, dtype=args.dtype, max_total_tokens=32768, show_progress=False)
+    server_args = ServerArgs(model_path=path, dtype=args.dtype, max_total_tokens=32768, random_seed=0)
     tok = load_tokenizer(path)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
-    sched = Scheduler(ServerArgs(model_path=path, random_seed=0), runner)
+    rank = build_rank(server_args, SINGLE_RANK_STATE)
+    runner, sched = rank.runner, rank.scheduler
 
     levels = [int(c) for c in args.concurrency.split(",")]
     # warm-up both (first calls allocate and pick kernels)

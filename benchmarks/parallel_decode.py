@@ -88,7 +88,8 @@ def bench_job(rank: int, world: int, model_dir: str, sizes: dict, prompts: list[
     """One layout on one rank (also used with world 1 for the single-rank baseline)."""
     import torch
 
-    from fleetserve.distributed import comm_stats, rank_pool
+    from fleetserve.distributed import comm_stats
+    from fleetserve.testing import rank_pool
     from fleetserve.testing.rank_engine import build_rank_engine, drive
     from fleetserve.engine.io_struct import TokenizedGenerateReq
     from fleetserve.engine.sampling_params import SamplingParams

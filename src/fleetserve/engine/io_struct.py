@@ -1,4 +1,4 @@
-"""Messages between the HTTP process and the scheduler process(es) (over ZMQ, pickled).
+"""Every message between the HTTP process and the scheduler process(es).
 
 The HTTP process tokenizes, sends :class:`TokenizedGenerateReq`; each scheduler
 step answers with one :class:`BatchTokenOut` carrying, per request, the tokens
@@ -8,6 +8,9 @@ detokenizing side (the HTTP process, or the offline ``fleetserve.Engine``):
 incremental UTF-8 safe detokenization and stop strings. When that side finds a
 stop string it ends the request for its client and sends :class:`AbortReq` so
 the scheduler stops generating and frees the request's KV.
+:class:`FlushCacheReq` and :class:`GetStatsReq` travel the same way; :class:`FlushCacheOut` and
+:class:`SchedulerStats` answer them. On the wire each message is a small header
+frame and the pickled message (:mod:`fleetserve.engine.io_frames`).
 """
 
 from __future__ import annotations
@@ -56,6 +59,14 @@ class FlushCacheReq:
 @dataclass
 class GetStatsReq:
     pass
+
+
+@dataclass
+class FlushCacheOut:
+    """Answer to :class:`FlushCacheReq`: False while requests are queued or running."""
+
+    success: bool
+    dp_rank: int = 0
 
 
 @dataclass

@@ -21,12 +21,14 @@ import itertools
 import uuid
 from typing import Any
 
+from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
 from fleetserve.engine.args import ServerArgs
 from fleetserve.engine.io_struct import ReqOutput, TokenizedGenerateReq
+from fleetserve.engine.rank_builder import build_rank, make_model_runner
 from fleetserve.engine.sampling_params import SamplingParams
-from fleetserve.engine.scheduler import Scheduler
 from fleetserve.entrypoints.detokenizer import RequestDetokenizer
 from fleetserve.entrypoints.validation import check_input_ids, generate_sampling_dicts, native_sampling
+from fleetserve.models.tokenizer import load_tokenizer
 
 
 class Engine:
@@ -50,22 +52,14 @@ class Engine:
         self.server_args = ServerArgs(model_path=model_path, **server_args)
         args = self.server_args
         if model_runner is None:
-            from fleetserve.engine.model_runner import ModelRunner
-
-            model_runner = ModelRunner(model_path=args.model_path, dtype=args.dtype,
-                                       max_total_tokens=args.max_total_tokens,
-                                       mem_fraction_static=args.mem_fraction_static, device=args.device,
-                                       disable_cuda_graph=args.disable_cuda_graph,
-                                       cuda_graph_max_bs=args.cuda_graph_max_bs)
+            model_runner = make_model_runner(args, SINGLE_RANK_STATE, show_progress=True)
         self.model_runner = model_runner
         if tokenizer is None and not args.skip_tokenizer_init:
-            from fleetserve.models.tokenizer import load_tokenizer
-
             if args.model_path is None and getattr(model_runner, "model_path", None):
                 args.model_path = model_runner.model_path
             tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(args, model_runner)
+        self.scheduler = build_rank(args, SINGLE_RANK_STATE, runner=model_runner).scheduler
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- public

@@ -5,8 +5,8 @@ Steps:
 1. parse :class:`~fleetserve.engine.args.ServerArgs` (SGLang flag names) plus the
    HTTP-only ``--max-request-bytes``;
 2. pick two ZMQ ``ipc://`` endpoints in a private temporary directory and start
-   the scheduler process(es) (:mod:`fleetserve.engine.scheduler_process`), which
-   load the model and connect to them;
+   the rank process(es) (:mod:`fleetserve.engine.rank_launch`), which load the
+   model and connect to them;
 3. load the tokenizer here meanwhile, then wait for every scheduler's ready
    message (it carries the vocabulary size, context limit and EOS ids), failing
    fast if a child dies or ``--startup-timeout`` passes;
@@ -50,19 +50,15 @@ def default_served_name(model_path: str) -> str:
 
 
 def _start_schedulers(args: ServerArgs, input_ep: str, output_ep: str):
-    """Start the scheduler process(es); returns (processes, ready readers).
+    """Start the rank process(es); returns (processes, ready readers).
 
-    Several ranks (``world_size > 1``): one process per rank, each sending a
-    handshake, with a DP relay thread here (:mod:`fleetserve.engine.rank_process`).
+    One process per rank, each sending a handshake; with several ranks also a DP
+    relay thread here (:func:`fleetserve.engine.rank_launch.launch_ranks`).
     """
-    if args.world_size > 1:
-        from fleetserve.engine.rank_process import launch_rank_schedulers
+    from fleetserve.engine.rank_launch import launch_ranks
 
-        instance = launch_rank_schedulers(args, input_ep, output_ep)
-        return instance.procs, instance.readers
-    from fleetserve.engine.scheduler_process import launch_scheduler
-
-    return launch_scheduler(args, input_ep, output_ep)
+    instance = launch_ranks(args, input_ep, output_ep)
+    return instance.procs, instance.readers
 
 
 def _wait_ready(procs, readers, timeout: float) -> list[dict[str, Any]]:
@@ -116,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model_path = default_model_path()
     if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP (issue 5)
-        from fleetserve.engine.rank_process import run_worker_node
+        from fleetserve.engine.rank_launch import run_worker_node
 
         return run_worker_node(args, ns.startup_timeout)
     ipc_dir = tempfile.mkdtemp(prefix="fleetserve-")

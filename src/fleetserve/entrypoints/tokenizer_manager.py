@@ -5,8 +5,9 @@ Flow of one request::
     HTTP handler --prepare()--> TokenizedGenerateReq --ZMQ PUSH--> scheduler process
     HTTP handler <--GenerationStream (per-request asyncio.Queue)-- recv loop <--ZMQ PULL-- BatchTokenOut
 
-* Messages are pickled :mod:`fleetserve.engine.io_struct` objects over pyzmq's
-  asyncio sockets. The tokenizer manager *binds* both sockets (SGLang's layout);
+* Messages are :mod:`fleetserve.engine.io_struct` objects framed by
+  :mod:`fleetserve.engine.io_frames` (a small header, then the pickle) over
+  pyzmq's asyncio sockets. The tokenizer manager *binds* both sockets (SGLang's layout);
   the scheduler process connects to them.
 * One background task (:meth:`TokenizerManager._recv_loop`) receives every
   message and fans the per-request :class:`~fleetserve.engine.io_struct.ReqOutput`
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import pickle
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,9 +40,11 @@ import zmq.asyncio
 
 from fleetserve.entrypoints.detokenizer import RequestDetokenizer
 from fleetserve.entrypoints.errors import APIError
+from fleetserve.engine.io_frames import decode, encode
 from fleetserve.engine.io_struct import (
     AbortReq,
     BatchTokenOut,
+    FlushCacheOut,
     FlushCacheReq,
     GetStatsReq,
     ReqOutput,
@@ -273,8 +275,7 @@ class TokenizerManager:
     async def _recv_loop(self) -> None:
         while True:
             try:
-                raw = await self.recv_sock.recv()
-                msg = pickle.loads(raw)
+                msg = decode(await self.recv_sock.recv_multipart())
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bad message must not kill the loop
@@ -285,8 +286,8 @@ class TokenizerManager:
                     s = self.streams.get(out.rid)
                     if s is not None:
                         s.queue.put_nowait(out)
-            elif type(msg).__name__ == "FlushCacheOut":  # scheduler_process.FlushCacheOut
-                self._flush_replies.append(bool(getattr(msg, "success", False)))
+            elif isinstance(msg, FlushCacheOut):
+                self._flush_replies.append(bool(msg.success))
                 self._flush_event.set()
             elif isinstance(msg, SchedulerStats):
                 self.latest_stats[msg.dp_rank] = msg
@@ -297,7 +298,7 @@ class TokenizerManager:
 
     def _send(self, obj: Any) -> None:
         """Queue one message for the scheduler(s); raises ``zmq.Again`` when none is connected."""
-        self.send_sock.send(pickle.dumps(obj), flags=zmq.NOBLOCK)
+        self.send_sock.send_multipart(encode(obj), flags=zmq.NOBLOCK)
 
     def send_abort(self, rid: str) -> None:
         try:

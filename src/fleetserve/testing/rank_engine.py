@@ -1,13 +1,14 @@
 """A rank's engine driven in-process, step by step (tests and benchmarks).
 
-The server runs each rank's scheduler behind ZMQ (:mod:`rank_process`); for
-exact checks and measurements it is simpler to drive the same
-:class:`~fleetserve.engine.scheduler.Scheduler` directly inside a rank of a
-:class:`~fleetserve.testing.rank_pool.RankPool`:
+The server runs each rank's scheduler behind ZMQ
+(:mod:`fleetserve.engine.rank_process`); for exact checks and measurements it is
+simpler to drive the same :class:`~fleetserve.engine.scheduler.Scheduler`
+directly inside a rank of a :class:`~fleetserve.testing.rank_pool.RankPool`:
 
-* :func:`build_rank_engine` builds the rank's ParallelState, model runner and
-  scheduler exactly as :func:`rank_process.run_rank` does (same DP-attention
-  hook, same scheduling rule, one sampling seed);
+* :func:`build_rank_engine` builds the rank's ParallelState, then the rank with
+  :func:`fleetserve.engine.rank_builder.build_rank`, the builder every rank
+  process uses (same DP-attention hook, same scheduling rule), without ZMQ I/O
+  and with one sampling seed;
 * :func:`drive` feeds requests at given steps (arrivals, aborts), steps the
   scheduler, records each request's tokens and the logits that chose them, and
   stops when *every* rank has finished (an all-reduce(MIN) of "done" over the
@@ -16,7 +17,6 @@ exact checks and measurements it is simpler to drive the same
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -24,40 +24,29 @@ import torch
 import torch.distributed as dist
 
 from fleetserve.distributed import comm_stats
+from fleetserve.distributed.groups import ParallelConfig, build_parallel_state
+from fleetserve.engine.args import ServerArgs
+from fleetserve.engine.rank_builder import Rank, build_rank
 
 
-@dataclasses.dataclass
-class RankEngine:
-    scheduler: Any
-    runner: Any
-    pstate: Any
-    args: Any
-
-
-def build_rank_engine(rank: int, model_path: str, timeout_s: float = 30.0, **server_args: Any) -> RankEngine:
+def build_rank_engine(rank: int, model_path: str, timeout_s: float = 30.0, **server_args: Any) -> Rank:
     """Build this rank's engine for ``ServerArgs(model_path=..., **server_args)`` on the
-    already initialised default group (one group of ``tp_size`` ranks)."""
-    from fleetserve.distributed.dp_attention import dp_schedule_rule
-    from fleetserve.distributed.groups import ParallelConfig, build_parallel_state
-    from fleetserve.engine.args import ServerArgs
-    from fleetserve.engine.model_runner import ModelRunner
-    from fleetserve.engine.scheduler import Scheduler
-    from fleetserve.engine.dp_attention_hook import dp_attention_hook
+    already initialised default group (one group of ``tp_size`` ranks).
 
+    Returns:
+        The :class:`~fleetserve.engine.rank_builder.Rank` (``scheduler``, ``runner``,
+        ``pstate``, ``args``; no loop).
+
+    Raises:
+        ValueError: bad server arguments. ParallelConfigError: sizes that do not fit the group.
+    """
     server_args.setdefault("random_seed", 0)
     args = ServerArgs(model_path=model_path, **server_args)
     ps = build_parallel_state(ParallelConfig.from_server_args(args), rank, timeout_s=timeout_s)
-    cons, chunk = dp_schedule_rule(args.schedule_conservativeness, args.chunked_prefill_size, ps.attn_dp_size)
-    args = dataclasses.replace(args, schedule_conservativeness=cons, chunked_prefill_size=chunk)
-    runner = ModelRunner(model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-                         mem_fraction_static=args.mem_fraction_static, pstate=ps, device=args.device,
-                         show_progress=False, disable_cuda_graph=args.disable_cuda_graph,
-                         cuda_graph_max_bs=args.cuda_graph_max_bs)
-    hook = dp_attention_hook(ps, args.device) if ps.attn_dp_size > 1 else None
-    return RankEngine(Scheduler(args, runner, dp_hook=hook), runner, ps, args)
+    return build_rank(args, ps)
 
 
-def drive(engine: RankEngine, arrivals: dict[int, list[Any]], aborts: dict[int, list[str]] | None = None,
+def drive(engine: Rank, arrivals: dict[int, list[Any]], aborts: dict[int, list[str]] | None = None,
           record_logits: bool = False, max_steps: int = 10_000, on_step: Any = None) -> dict[str, Any]:
     """Step until every rank is done.
 

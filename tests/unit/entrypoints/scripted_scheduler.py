@@ -8,16 +8,15 @@ only a test double; the integration tests run the real engine.
 
 from __future__ import annotations
 
-import pickle
 import threading
 
 import zmq
 
-from fleetserve.engine.scheduler_process import FlushCacheOut
-
+from fleetserve.engine.io_frames import decode, encode
 from fleetserve.engine.io_struct import (
     AbortReq,
     BatchTokenOut,
+    FlushCacheOut,
     FlushCacheReq,
     GetStatsReq,
     ReqOutput,
@@ -109,7 +108,7 @@ class ScriptedScheduler:
             if dict(poller.poll(5)):
                 while True:
                     try:
-                        msg = pickle.loads(self.pull.recv(zmq.NOBLOCK))
+                        msg = decode(self.pull.recv_multipart(zmq.NOBLOCK))
                     except zmq.Again:
                         break
                     self._handle(msg)
@@ -132,7 +131,7 @@ class ScriptedScheduler:
                     del self.running[rid]
                 outs.append(self._out(st, [tok], done, {"type": "length", "length": st["n"]} if done else None))
             if outs:
-                self.push.send(pickle.dumps(BatchTokenOut(outs)))
+                self.push.send_multipart(encode(BatchTokenOut(outs)))
                 if self.delay:
                     self._stop.wait(self.delay)
 
@@ -142,21 +141,21 @@ class ScriptedScheduler:
             st = {"req": msg, "n": 0, "cached": self._cached(msg.input_ids), "sent_input": False}
             self.seen_prompts.append(list(msg.input_ids))
             if msg.sampling.max_new_tokens == 0:
-                self.push.send(pickle.dumps(BatchTokenOut([self._out(st, [], True, {"type": "length", "length": 0})])))
+                self.push.send_multipart(encode(BatchTokenOut([self._out(st, [], True, {"type": "length", "length": 0})])))
             else:
                 self.running[msg.rid] = st
         elif isinstance(msg, AbortReq):
             self.aborted.append(msg.rid)
             st = self.running.pop(msg.rid, None)
             if st is not None:
-                self.push.send(pickle.dumps(BatchTokenOut([self._out(st, [], True, {"type": "abort", "message": "aborted"})])))
+                self.push.send_multipart(encode(BatchTokenOut([self._out(st, [], True, {"type": "abort", "message": "aborted"})])))
         elif isinstance(msg, FlushCacheReq):
             self.flushes += 1
             ok = not self.running
             if ok:
                 self.seen_prompts.clear()
-            self.push.send(pickle.dumps(FlushCacheOut(ok)))
+            self.push.send_multipart(encode(FlushCacheOut(ok)))
         elif isinstance(msg, GetStatsReq):
-            self.push.send(pickle.dumps(SchedulerStats(num_running_reqs=len(self.running), kv_pool_size=1000,
+            self.push.send_multipart(encode(SchedulerStats(num_running_reqs=len(self.running), kv_pool_size=1000,
                                                        kv_used_tokens=sum(len(s["req"].input_ids) + s["n"]
                                                                           for s in self.running.values()))))

@@ -7,6 +7,7 @@ import torch
 
 from fleetserve.engine.args import ServerArgs
 from fleetserve.core.kv_pool import TokenSlotAllocator
+from fleetserve.models.tokenizer import load_tokenizer
 from fleetserve.engine.scheduler import Scheduler
 
 
@@ -14,8 +15,6 @@ from fleetserve.engine.scheduler import Scheduler
 def smol(smollm2_runner):
     """(model runner, tokenizer) for SmolLM2-135M-Instruct in float32."""
     torch.set_num_threads(2)
-    from fleetserve.models.tokenizer import load_tokenizer
-
     tok = load_tokenizer(smollm2_runner.model_path)
     return smollm2_runner, tok
 
