@@ -1,13 +1,32 @@
 """The sim-worker's HTTP API: OpenAI shapes, cached_tokens, errors, flush, timing."""
 
 import asyncio
+import socket
 
 import aiohttp
 import pytest
 
 from fleetserve.bench import sim_worker
 
-PORT = 35731
+def two_free_ports() -> int:
+    """A port p with p and p + 1 both free (the sim-worker hosts its workers on consecutive ports);
+    a fixed port collided with other test runs on a shared machine."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            if p >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+            return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+PORT = two_free_ports()
 
 
 @pytest.fixture
