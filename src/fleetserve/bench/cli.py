@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 
 import aiohttp
 
 from fleetserve.bench import report, worker_stats, workloads
-from fleetserve.bench.client import run_requests
+from fleetserve.bench.client import auth_headers, run_requests
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="router or worker URL")
     p.add_argument("--api", choices=("chat", "completions"), default="chat",
                    help="/v1/chat/completions (messages) or /v1/completions (one prompt string)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
+                   help="sent as 'Authorization: Bearer <key>' on every request (and /flush_cache); "
+                        "default: $OPENAI_API_KEY if set, else no header")
     p.add_argument("--model", default=None, help="model field of the requests; None leaves it out")
     p.add_argument("--workload", choices=workloads.WORKLOADS, default="shared_prefix",
                    help="who shares which prefix: groups with one system prompt, growing conversations, or none")
@@ -73,10 +77,10 @@ def workload_from_args(args: argparse.Namespace) -> list[workloads.BenchRequest]
         num_turns=args.num_turns, num_prompts=args.num_prompts, input_len=args.random_input_len, seed=args.seed)
 
 
-async def flush_workers(urls: list[str]) -> dict[str, int]:
+async def flush_workers(urls: list[str], api_key: str | None = None) -> dict[str, int]:
     """POST ``/flush_cache`` to each URL; ``{url: status}`` (0 on connection failure)."""
     out = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), headers=auth_headers(api_key)) as s:
         for u in urls:
             try:
                 async with s.post(u.rstrip("/") + "/flush_cache") as r:
@@ -90,13 +94,13 @@ async def run_bench(args: argparse.Namespace) -> tuple[dict, list]:
     """Build the workload, run it, and return ``(summary, results)``."""
     reqs = workload_from_args(args)
     if args.flush_cache and args.worker_urls:
-        await flush_workers(args.worker_urls)
+        await flush_workers(args.worker_urls, args.api_key)
     before = await worker_stats.snapshot(args.worker_urls) if args.worker_urls else {}
     results, duration = await run_requests(
         args.base_url, reqs, api=args.api, model=args.model, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, seed=args.seed, stream=not args.no_stream,
         ignore_eos=not args.no_ignore_eos, time_scale=args.time_scale, progress=not args.disable_tqdm,
-        timeout_s=args.timeout)
+        timeout_s=args.timeout, api_key=args.api_key)
     after = await worker_stats.snapshot(args.worker_urls) if args.worker_urls else {}
     meta = {"workload": args.workload, "url": args.base_url, "api": args.api, "num_requests": len(reqs),
             "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "seed": args.seed,

@@ -103,6 +103,11 @@ def _take_usage(res: RequestResult, usage: dict | None) -> None:
     res.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``{"Authorization": "Bearer <api_key>"}``, or no header without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def send_one(session: aiohttp.ClientSession, url: str, req: BenchRequest, api: str = "chat",
                    model: str | None = None, stream: bool = True, ignore_eos: bool = True,
                    time_scale: float = 1.0) -> RequestResult:
@@ -166,8 +171,11 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: BenchRequest, 
 async def run_requests(base_url: str, requests: list[BenchRequest], api: str = "chat", model: str | None = None,
                        request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
                        stream: bool = True, ignore_eos: bool = True, time_scale: float = 1.0,
-                       progress: bool = True, timeout_s: float = 3600.0) -> tuple[list[RequestResult], float]:
+                       progress: bool = True, timeout_s: float = 3600.0,
+                       api_key: str | None = None) -> tuple[list[RequestResult], float]:
     """Drive ``requests`` against ``base_url``; returns ``(results in input order, duration in s)``.
+
+    ``api_key``: sent as ``Authorization: Bearer <api_key>`` on every request.
 
     The duration runs from the first send to the last response (divided by ``time_scale``).
     """
@@ -190,7 +198,8 @@ async def run_requests(base_url: str, requests: list[BenchRequest], api: str = "
         bar = tqdm(total=len(requests), desc="requests", unit="req")
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     tmo = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=tmo, skip_auto_headers=("User-Agent",)) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=tmo, skip_auto_headers=("User-Agent",),
+                                     headers=auth_headers(api_key)) as session:
         start = time.perf_counter()
 
         async def one(i: int, req: BenchRequest) -> None:

@@ -26,6 +26,7 @@ from . import health
 from .http.server import Request, Response, json_error
 from .http.client import UpstreamError
 from .metrics import render
+from .proxy import credential_headers, forwarded_response_headers
 from .workers import Worker, normalize_url
 
 if TYPE_CHECKING:
@@ -109,14 +110,17 @@ async def handle_info(router: Router, request: Request) -> Response:
     if not workers:
         return json_error(503, "no healthy worker available", "service_unavailable")
     last = None
+    creds = credential_headers(request)
     for i in range(len(workers)):
         worker = workers[(router.info_turn + i) % len(workers)]
         try:
-            async with router.session.get(worker.url + request.path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            async with router.session.get(worker.url + request.path, headers=creds,
+                                          timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 data = await resp.read()
                 if resp.status < 500:
                     router.info_turn += 1
-                    return Response(resp.status, data, resp.headers.get("Content-Type", _JSON))
+                    return Response(resp.status, data, resp.headers.get("Content-Type", _JSON),
+                                    forwarded_response_headers(resp.headers.items()))
                 last = f"{worker.url} answered {resp.status}"
         except _UPSTREAM_ERRORS as e:
             last = f"{worker.url}: {type(e).__name__}"
@@ -125,10 +129,12 @@ async def handle_info(router: Router, request: Request) -> Response:
 
 async def handle_flush_cache(router: Router, request: Request) -> Response:
     workers = list(router.registry.workers)
+    creds = credential_headers(request)
 
     async def one(w: Worker):
         try:
-            async with router.session.post(w.url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=30)) as r:
+            async with router.session.post(w.url + "/flush_cache", headers=creds,
+                                           timeout=aiohttp.ClientTimeout(total=30)) as r:
                 await r.read()
                 return r.status
         except _UPSTREAM_ERRORS as e:

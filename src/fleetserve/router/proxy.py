@@ -40,9 +40,31 @@ _NOT_FORWARDED = frozenset({"connection", "keep-alive", "transfer-encoding", "co
                             "proxy-connection", "te", "trailer", "upgrade"})
 
 
+# request headers that carry the client's credentials for the worker: passed on by every proxied route
+# (inference here; info and /flush_cache in admin.py).  OpenAI's ``Authorization: Bearer``, and the
+# ``x-api-key`` / ``api-key`` forms some clients send.
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key")
+
+
+def credential_headers(request: Request) -> dict[str, str]:
+    """The client's credential headers, to send to the worker (name -> value, names as received, lower case)."""
+    h = request.headers
+    return {k: h[k] for k in CREDENTIAL_HEADERS if k in h}
+
+
+def _credential_lines(request: Request) -> bytes:
+    return b"".join(k.encode("latin-1") + b": " + v.encode("latin-1") + b"\r\n"
+                    for k, v in credential_headers(request).items())
+
+
+def forwarded_response_headers(pairs) -> list[tuple[str, str]]:
+    """A worker's response headers to pass to the client (e.g. ``WWW-Authenticate``), repeats kept."""
+    return [(k, v) for k, v in pairs if k.lower() not in _NOT_FORWARDED]
+
+
 def _forwarded_headers(resp: UpstreamResponse) -> list[tuple[str, str]]:
     """The worker's response headers to pass to the client (e.g. a worker id header), as pairs, repeats kept."""
-    return [(k, v) for k, v in resp.header_pairs if k not in _NOT_FORWARDED]
+    return forwarded_response_headers(resp.header_pairs)
 
 
 def _fail(worker: Worker) -> None:
@@ -82,8 +104,7 @@ async def _forward(router: Router, request: Request, path: str, text: str, strea
     cfg = router.cfg
     stats = router.stats
     policy = router.policy
-    auth = request.headers.get("authorization")
-    headers = b"" if auth is None else b"Authorization: " + auth.encode("latin-1") + b"\r\n"
+    headers = _credential_lines(request)
     tried: list[Worker] = []
     failure: Response | None = None
     attempt = 0

@@ -1,0 +1,145 @@
+"""The client's credentials reach the worker on every proxied route, and bench can send a key.
+
+An in-process aiohttp worker that, like ``fleetserve serve --api-key``, answers
+401 (with ``WWW-Authenticate: Bearer``) unless ``Authorization: Bearer <KEY>``
+is sent, on every path but ``/health``; a router in the same event loop.
+"""
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from fleetserve.router.app import Router
+from fleetserve.router.config import RouterConfig
+from fleetserve.router.http.server import start_server
+from fleetserve.router.routes import make_routes
+
+KEY = "sk-test-123"
+
+
+def keyed_worker_app(seen: list) -> web.Application:
+    @web.middleware
+    async def need_key(request: web.Request, handler):
+        seen.append((request.path, request.headers.get("Authorization"), request.headers.get("x-api-key")))
+        if request.path != "/health" and request.headers.get("Authorization") != f"Bearer {KEY}":
+            return web.json_response({"error": {"message": "missing API key", "type": "authentication_error",
+                                                "param": None, "code": "invalid_api_key"}},
+                                     status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path, "object": "list", "data": [{"id": "m"}]})
+
+    app = web.Application(middlewares=[need_key])
+    for p in ("/v1/models", "/get_model_info", "/get_server_info", "/health"):
+        app.router.add_get(p, ok)
+    for p in ("/flush_cache", "/generate", "/v1/completions", "/v1/chat/completions"):
+        app.router.add_post(p, ok)
+    return app
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+class InProcessRouter:
+    """A :class:`Router` and its main listener on 127.0.0.1, port chosen by the OS."""
+
+    def __init__(self, **cfg) -> None:
+        cfg.setdefault("worker_startup_check_interval", 0.05)
+        self.router = Router(RouterConfig(**cfg))
+
+    async def __aenter__(self) -> "InProcessRouter":
+        await self.router.start()
+        assert await self.router.add_initial_workers() == []
+        self.srv = await start_server(make_routes(self.router), "127.0.0.1", 0, 1 << 20)
+        self.url = f"http://127.0.0.1:{self.srv.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.srv.close()
+        await self.router.stop()
+
+
+@pytest.fixture
+async def keyed_worker():
+    seen: list = []
+    runner, url = await start_app(keyed_worker_app(seen))
+    try:
+        yield url, seen
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.timeout(30)
+async def test_authorization_is_forwarded_on_every_proxied_route(keyed_worker):
+    wurl, seen = keyed_worker
+    good = {"Authorization": f"Bearer {KEY}"}
+    async with InProcessRouter(worker_urls=[wurl]) as r, aiohttp.ClientSession() as s:
+        for path in ("/v1/models", "/get_model_info", "/get_server_info"):
+            async with s.get(r.url + path, headers=good) as resp:
+                assert resp.status == 200, path
+                assert (await resp.json())["path"] == path
+            async with s.get(r.url + path) as resp:  # no key: the worker's 401 passes through as it is
+                assert resp.status == 401, path
+                assert resp.headers["WWW-Authenticate"] == "Bearer"
+                assert (await resp.json())["error"]["code"] == "invalid_api_key"
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            async with s.post(r.url + path, json={"prompt": "hi"}, headers=good) as resp:
+                assert resp.status == 200, path
+            async with s.post(r.url + path, json={"prompt": "hi"}) as resp:
+                assert resp.status == 401, path
+                assert resp.headers["WWW-Authenticate"] == "Bearer"
+        async with s.post(r.url + "/flush_cache", headers=good) as resp:
+            assert resp.status == 200
+            assert await resp.json() == {"success": True, "workers": {wurl: 200}}
+        async with s.post(r.url + "/flush_cache") as resp:
+            assert resp.status == 500
+            assert await resp.json() == {"success": False, "workers": {wurl: 401}}
+        # the other credential header forms go through too
+        async with s.get(r.url + "/v1/models", headers={**good, "X-Api-Key": "other"}) as resp:
+            assert resp.status == 200
+    assert ("/v1/models", f"Bearer {KEY}", "other") in seen
+    assert ("/flush_cache", f"Bearer {KEY}", None) in seen
+
+
+@pytest.mark.timeout(30)
+async def test_openai_client_lists_models_and_chats_through_the_router(keyed_worker):
+    openai = pytest.importorskip("openai")
+    wurl, _ = keyed_worker
+    async with InProcessRouter(worker_urls=[wurl]) as r:
+        client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key=KEY, max_retries=0)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["m"]
+        bad = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.models.list()
+        await client.close()
+        await bad.close()
+
+
+@pytest.mark.timeout(30)
+async def test_bench_sends_its_api_key(keyed_worker, monkeypatch):
+    from fleetserve.bench import cli as bench_cli
+    from fleetserve.bench.client import run_requests
+    from fleetserve.bench.workloads import random_prompts
+
+    wurl, seen = keyed_worker
+    reqs = random_prompts(num_prompts=2, input_len=4, output_len=2, seed=0)
+    await run_requests(wurl, reqs, stream=False, progress=False, api_key=KEY)
+    assert [a for p, a, _ in seen if p == "/v1/chat/completions"] == [f"Bearer {KEY}"] * 2
+    assert await bench_cli.flush_workers([wurl], KEY) == {wurl: 200}
+    assert await bench_cli.flush_workers([wurl]) == {wurl: 401}
+    # the flag, with $OPENAI_API_KEY as its default
+    monkeypatch.setenv("OPENAI_API_KEY", "from-env")
+    assert bench_cli.build_parser().parse_args([]).api_key == "from-env"
+    assert bench_cli.build_parser().parse_args(["--api-key", "k"]).api_key == "k"
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert bench_cli.build_parser().parse_args([]).api_key is None
