@@ -54,15 +54,18 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
             log.error("workers not healthy within %s s: %s", cfg.worker_startup_timeout_secs, " ".join(failed))
             return 1
         servers.append(await start_server(make_routes(router), cfg.host, cfg.port, cfg.max_payload_size))
-        if cfg.prometheus_port:
+        if cfg.prometheus_port is not None:
             servers.append(await start_server(metrics_routes(router), cfg.prometheus_host, cfg.prometheus_port, 1024))
         # Everything allocated so far (modules, app, workers) lives as long as the process:
         # move it out of the cyclic GC's generations, so a full collection only walks what
         # the router allocates later (a full pass over the start-up objects took ~30 ms here).
         gc.collect()
         gc.freeze()
-        log.info("fleetserve router on http://%s:%d, policy %s, %d workers", cfg.host, cfg.port, cfg.policy,
+        main_addr = _address(servers[0])
+        log.info("fleetserve router on http://%s, policy %s, %d workers", main_addr, cfg.policy,
                  len(router.registry))
+        if len(servers) > 1:
+            log.info("metrics also on http://%s/metrics", _address(servers[1]))
         if ready is not None:
             ready.set()
         await stop.wait()
@@ -76,6 +79,12 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         for srv in servers:
             srv.close()
         await router.stop()
+
+
+def _address(server) -> str:
+    """``host:port`` a listener is bound to (the real port when 0 was asked for)."""
+    host, port = server.sockets[0].getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ CACHE_MISS_FALLBACKS = ("least_loaded", "smallest_tree")
 class RouterConfig:
     """Every router setting.  Times in seconds unless the name says ``_ms``; sizes in bytes/chars."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # sglang-router's default; 0.0.0.0 opens the admin routes to the network
     port: int = 30000
     worker_urls: list[str] = field(default_factory=list)
     policy: str = "cache_aware"
@@ -63,7 +63,7 @@ class RouterConfig:
     cb_timeout_duration_secs: float = 60.0
     cb_window_duration_secs: float = 120.0
     disable_circuit_breaker: bool = False
-    prometheus_host: str = "0.0.0.0"
+    prometheus_host: str = "127.0.0.1"
     prometheus_port: int | None = None
     log_level: str = "info"
 
@@ -87,6 +87,8 @@ class RouterConfig:
             normalize_url(url)  # raises ValueError with the reason
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
+            raise ValueError(f"--prometheus-port must be in 0..65535, got {self.prometheus_port}")
         for name in ("request_timeout_secs", "health_check_interval_secs", "health_check_timeout_secs",
                      "worker_startup_timeout_secs", "worker_startup_check_interval"):
             if not getattr(self, name) > 0:
@@ -109,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("workers")
-    g.add_argument("--host", default=d.host, help="address to listen on")
+    g.add_argument("--host", default=d.host,
+                   help="address to listen on; the admin routes (/add_worker, /remove_worker, /flush_cache) have "
+                        "no auth, so give 0.0.0.0 only on a trusted network")
     g.add_argument("--port", type=int, default=d.port, help="port to listen on")
     g.add_argument("--worker-urls", nargs="*", default=[], help="worker base URLs (space separated)")
     g.add_argument("--worker-startup-timeout-secs", type=float, default=d.worker_startup_timeout_secs,
@@ -169,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="failures older than this no longer count")
     g.add_argument("--disable-circuit-breaker", action="store_true")
     g = p.add_argument_group("metrics and logs")
-    g.add_argument("--prometheus-host", default=d.prometheus_host)
+    g.add_argument("--prometheus-host", default=d.prometheus_host,
+                   help="address of the --prometheus-port listener (independent of --host)")
     g.add_argument("--prometheus-port", type=int, default=None,
                    help="extra listener for /metrics (it is always on the main port too)")
     g.add_argument("--log-level", choices=("debug", "info", "warn", "warning", "error"), default=d.log_level)
