@@ -2,8 +2,11 @@
 
 * ``GET /health``: the router is up.  ``GET /readiness``: some worker can take
   a request (503 when none can).  ``GET /metrics``: Prometheus text.
-* ``POST /add_worker?url=`` (waits for the worker's health check unless checks
-  are off), ``POST /remove_worker?url=``, ``GET /list_workers``.
+* ``POST /add_worker?url=``: a bad url is a 400 at once; the worker is added
+  once its health check passes (200 if that takes under
+  :data:`ADD_WORKER_ANSWER_WITHIN_S`, else 202 pending and the wait goes on in
+  the background).  ``POST /remove_worker?url=`` (also ends a pending wait),
+  ``GET /list_workers`` (pending urls listed apart, under ``pending``).
 * ``GET /v1/models``, ``/get_model_info``, ``/get_server_info``: answered by
   one available worker, taken in turn; a worker that fails or answers 5xx is
   skipped for the next one.
@@ -56,39 +59,88 @@ async def handle_metrics(router: Router, request: Request) -> Response:
 
 # ---------------------------------------------------------------- worker management
 async def handle_add_worker(router: Router, request: Request) -> Response:
+    """Validate the url at once; add the worker when its health check passes.
+
+    200 when it is added within :data:`ADD_WORKER_ANSWER_WITHIN_S`; otherwise 202
+    ``{"status": "pending"}`` while the wait goes on in the background (up to
+    ``--worker-startup-timeout-secs``), logged when it starts and when it ends.
+    """
     raw = request.query.get("url")
     if not raw:
-        return json_error(400, "missing ?url= query parameter")
+        return json_error(400, "missing ?url= query parameter", param="url")
     try:
         url = normalize_url(raw)
     except ValueError as e:
-        return json_error(400, f"bad worker url: {e}")
+        return json_error(400, f"bad worker url: {e}", param="url")
     if router.registry.get(url) is not None:
-        return json_error(400, f"worker {url} is already registered")
+        return json_error(400, f"worker {url} is already registered", param="url")
     c = router.cfg
-    if not c.disable_health_check:
+    if c.disable_health_check:
+        router.registry.add(router.new_worker(url))
+        log.info("added worker %s (health checks off)", url)
+        return Response(200, orjson.dumps({"success": True, "status": "added", "message": f"added worker {url}"}))
+    task = router.pending.get(url)
+    if task is None:
+        log.info("worker %s: waiting up to %g s for its health check (%s) before adding it", url,
+                 c.worker_startup_timeout_secs, c.health_check_endpoint)
+        task = router.pending[url] = asyncio.ensure_future(_add_when_healthy(router, url))
+    done, _ = await asyncio.wait((task,), timeout=ADD_WORKER_ANSWER_WITHIN_S)
+    if not done:
+        return Response(202, orjson.dumps({
+            "success": True, "status": "pending",
+            "message": f"worker {url} does not answer {c.health_check_endpoint} yet; it is added once it does "
+                       f"(waiting up to {c.worker_startup_timeout_secs:g} s; see /list_workers)"}))
+    if task.cancelled():
+        return json_error(409, f"worker {url} was removed while waiting for its health check",
+                          "conflict_error", param="url")
+    outcome = task.result()
+    if outcome == "added":
+        return Response(200, orjson.dumps({"success": True, "status": "added", "message": f"added worker {url}"}))
+    if outcome == "duplicate":
+        return json_error(400, f"worker {url} is already registered", param="url")
+    return json_error(503, f"worker {url} did not become healthy within {c.worker_startup_timeout_secs:g} s",
+                      "service_unavailable")
+
+
+# how long POST /add_worker waits for the health check before answering 202 pending
+ADD_WORKER_ANSWER_WITHIN_S = 3.0
+
+
+async def _add_when_healthy(router: Router, url: str) -> str:
+    """Wait for ``url``'s health check, then register it: ``"added"``, ``"duplicate"`` or ``"unhealthy"``."""
+    c = router.cfg
+    try:
         ok = await health.wait_healthy(router.session, url, c.health_check_endpoint, c.worker_startup_timeout_secs,
                                        c.worker_startup_check_interval, c.health_check_timeout_secs)
         if not ok:
-            return json_error(503, f"worker {url} did not become healthy within "
-                                   f"{c.worker_startup_timeout_secs} s", "service_unavailable")
-    # checked again: another /add_worker for the same url may have finished during the wait
-    if not router.registry.add(router.new_worker(url)):
-        return json_error(400, f"worker {url} is already registered")
-    log.info("added worker %s", url)
-    return Response(200, orjson.dumps({"success": True, "message": f"added worker {url}"}))
+            log.warning("worker %s did not become healthy within %g s: not added", url, c.worker_startup_timeout_secs)
+            return "unhealthy"
+        # another path (start-up, health checks off) may have registered it during the wait
+        if not router.registry.add(router.new_worker(url)):
+            return "duplicate"
+        log.info("added worker %s", url)
+        return "added"
+    finally:
+        if router.pending.get(url) is asyncio.current_task():
+            del router.pending[url]
 
 
 async def handle_remove_worker(router: Router, request: Request) -> Response:
     raw = request.query.get("url")
     if not raw:
-        return json_error(400, "missing ?url= query parameter")
+        return json_error(400, "missing ?url= query parameter", param="url")
     try:
         worker = router.registry.remove(raw)
     except ValueError as e:
-        return json_error(400, f"bad worker url: {e}")
+        return json_error(400, f"bad worker url: {e}", param="url")
     if worker is None:
-        return json_error(404, f"worker {raw} is not registered", "not_found_error")
+        task = router.pending.pop(normalize_url(raw), None)
+        if task is not None:
+            task.cancel()
+            log.info("worker %s: no longer waiting for it (removed while pending)", normalize_url(raw))
+            return Response(200, orjson.dumps({"success": True,
+                                               "message": f"stopped waiting for pending worker {normalize_url(raw)}"}))
+        return json_error(404, f"worker {raw} is not registered", "not_found_error", param="url")
     router.policy.on_worker_removed(worker.url)
     router.pool.forget(worker.url)
     log.info("removed worker %s (%d requests still in flight)", worker.url, worker.load)
@@ -100,6 +152,8 @@ async def handle_list_workers(router: Router, request: Request) -> Response:
         "urls": router.registry.urls(),
         "workers": [{"url": w.url, "healthy": w.healthy, "load": w.load, "circuit": w.breaker.state}
                     for w in router.registry.workers],
+        # /add_worker urls still waiting for their first good health check: not routed to, not in "urls"
+        "pending": list(router.pending),
     }
     return Response(200, orjson.dumps(body))
 

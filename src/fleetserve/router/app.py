@@ -41,6 +41,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None  # control traffic: health, info, flush
         self.pool: UpstreamPool | None = None  # the proxy path
         self._tasks: list[asyncio.Task] = []
+        self.pending: dict[str, asyncio.Task] = {}  # /add_worker urls waiting for their first good health check
         self.max_attempts = cfg.max_attempts  # a computed config property, copied once
         self.info_turn = 0  # which available worker answers the next info request
         self.handling = 0  # inference requests being handled (the shutdown drain waits for them)
@@ -71,6 +72,10 @@ class Router:
             self._tasks.append(asyncio.create_task(self._eviction_loop()))
 
     async def stop(self) -> None:
+        for t in self.pending.values():
+            t.cancel()
+        await asyncio.gather(*self.pending.values(), return_exceptions=True)
+        self.pending.clear()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -87,7 +92,13 @@ class Router:
     async def add_initial_workers(self) -> list[str]:
         """Wait for every ``--worker-urls`` worker to be healthy and register it; return the ones that never were."""
         c = self.cfg
-        urls = [normalize_url(u) for u in c.worker_urls]
+        urls = []
+        for raw in c.worker_urls:
+            u = normalize_url(raw)
+            if u in urls:
+                log.warning("--worker-urls names %s more than once: it is one worker", u)
+            else:
+                urls.append(u)
         if c.disable_health_check:
             oks = [True] * len(urls)
         else:

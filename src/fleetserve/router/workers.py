@@ -8,9 +8,13 @@ times out or the client goes away.  Health checks never touch it.
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
 
 from .circuit_breaker import CircuitBreaker
+
+
+_HOSTNAME = re.compile(r"^[a-z0-9]([a-z0-9_.-]*[a-z0-9])?$")  # after lower-casing; IPv6 is checked by urlsplit
 
 
 def normalize_url(url: str) -> str:
@@ -18,12 +22,15 @@ def normalize_url(url: str) -> str:
 
     Scheme and host are lower-cased, so one worker has one name.  Raises
     ``ValueError`` for an empty URL, a scheme other than ``http``, no host, a
-    path, query, fragment or user part, or a port that is not an integer in 1..65535.
+    path, query, fragment or user part, a host that is not a host name or IP
+    address, a port that is not an integer in 1..65535, or a bare name without
+    scheme and port (``notaurl``).
     """
     url = url.strip()
     if not url:
         raise ValueError("empty worker URL")
-    if "://" not in url:
+    bare = "://" not in url
+    if bare:
         url = "http://" + url
     url = url.rstrip("/")
     u = urlsplit(url)
@@ -41,6 +48,11 @@ def normalize_url(url: str) -> str:
         raise ValueError(f"{url!r}: the port must be an integer in 1..65535") from None
     if port == 0:
         raise ValueError(f"{url!r}: the port must be an integer in 1..65535")
+    if ":" not in u.hostname and not _HOSTNAME.match(u.hostname):
+        raise ValueError(f"{url!r}: {u.hostname!r} is not a host name or IP address")
+    if bare and port is None:
+        # "notaurl" is far more likely a mistake than a worker on port 80 of a host named so
+        raise ValueError(f"{url[len('http://'):]!r} is not a worker URL: give http://host:port or host:port")
     host = u.hostname if ":" not in u.hostname else f"[{u.hostname}]"  # lower case; IPv6 in brackets
     return f"http://{host}" + ("" if port is None else f":{port}")
 

@@ -11,10 +11,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from fleetserve.router.app import Router
-from fleetserve.router.config import RouterConfig
-from fleetserve.router.http.server import start_server
-from fleetserve.router.routes import make_routes
 
 KEY = "sk-test-123"
 
@@ -40,36 +36,8 @@ def keyed_worker_app(seen: list) -> web.Application:
     return app
 
 
-async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}"
-
-
-class InProcessRouter:
-    """A :class:`Router` and its main listener on 127.0.0.1, port chosen by the OS."""
-
-    def __init__(self, **cfg) -> None:
-        cfg.setdefault("worker_startup_check_interval", 0.05)
-        self.router = Router(RouterConfig(**cfg))
-
-    async def __aenter__(self) -> "InProcessRouter":
-        await self.router.start()
-        assert await self.router.add_initial_workers() == []
-        self.srv = await start_server(make_routes(self.router), "127.0.0.1", 0, 1 << 20)
-        self.url = f"http://127.0.0.1:{self.srv.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.srv.close()
-        await self.router.stop()
-
-
 @pytest.fixture
-async def keyed_worker():
+async def keyed_worker(start_app):
     seen: list = []
     runner, url = await start_app(keyed_worker_app(seen))
     try:
@@ -79,7 +47,7 @@ async def keyed_worker():
 
 
 @pytest.mark.timeout(30)
-async def test_authorization_is_forwarded_on_every_proxied_route(keyed_worker):
+async def test_authorization_is_forwarded_on_every_proxied_route(keyed_worker, InProcessRouter):
     wurl, seen = keyed_worker
     good = {"Authorization": f"Bearer {KEY}"}
     async with InProcessRouter(worker_urls=[wurl]) as r, aiohttp.ClientSession() as s:
@@ -111,7 +79,7 @@ async def test_authorization_is_forwarded_on_every_proxied_route(keyed_worker):
 
 
 @pytest.mark.timeout(30)
-async def test_openai_client_lists_models_and_chats_through_the_router(keyed_worker):
+async def test_openai_client_lists_models_and_chats_through_the_router(keyed_worker, InProcessRouter):
     openai = pytest.importorskip("openai")
     wurl, _ = keyed_worker
     async with InProcessRouter(worker_urls=[wurl]) as r:

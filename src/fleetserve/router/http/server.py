@@ -66,9 +66,10 @@ def json_response(obj, status: int = 200) -> Response:
     return Response(status, orjson.dumps(obj))
 
 
-def json_error(status: int, message: str, err_type: str = "invalid_request_error") -> Response:
+def json_error(status: int, message: str, err_type: str = "invalid_request_error",
+               param: str | None = None) -> Response:
     """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}`` (code: the status)."""
-    return Response(status, orjson.dumps({"error": {"message": message, "type": err_type, "param": None,
+    return Response(status, orjson.dumps({"error": {"message": message, "type": err_type, "param": param,
                                                     "code": status}}))
 
 

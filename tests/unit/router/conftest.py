@@ -1,0 +1,48 @@
+"""In-process helpers for the router's unit tests: an aiohttp app on a free port, a router in the same loop."""
+
+import pytest
+from aiohttp import web
+
+from fleetserve.router.app import Router
+from fleetserve.router.config import RouterConfig
+from fleetserve.router.http.server import start_server
+from fleetserve.router.routes import make_routes
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+class InProcessRouter:
+    """A :class:`Router` and its main listener on 127.0.0.1, port chosen by the OS."""
+
+    def __init__(self, **cfg) -> None:
+        cfg.setdefault("worker_startup_check_interval", 0.05)
+        self.router = Router(RouterConfig(**cfg))
+
+    async def __aenter__(self) -> "InProcessRouter":
+        await self.router.start()
+        assert await self.router.add_initial_workers() == []
+        self.srv = await start_server(make_routes(self.router), "127.0.0.1", 0, 1 << 20)
+        self.url = f"http://127.0.0.1:{self.srv.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.srv.close()
+        await self.router.stop()
+
+
+
+@pytest.fixture(name="start_app")
+def _start_app():
+    return start_app
+
+
+@pytest.fixture(name="InProcessRouter")
+def _in_process_router():
+    return InProcessRouter
