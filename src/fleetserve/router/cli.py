@@ -3,13 +3,16 @@
 On SIGINT/SIGTERM it stops accepting connections and waits up to
 ``--shutdown-grace-period-secs`` for the requests in flight to finish.
 
-Exit codes: 0 after a clean stop, 1 if a ``--worker-urls`` worker never became
-healthy within ``--worker-startup-timeout-secs``, 2 on bad flags (argparse).
+Exit codes: 0 after a clean stop, 1 if ``--port`` (or ``--prometheus-port``)
+cannot be bound (one log line; checked before the worker wait) or a
+``--worker-urls`` worker never became healthy within
+``--worker-startup-timeout-secs``, 2 on bad flags (argparse).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import signal
@@ -17,7 +20,7 @@ import sys
 
 from .app import Router
 from .config import RouterConfig, parse_args
-from .http.server import start_server
+from .http.server import bind_socket, start_server
 from .routes import make_routes, metrics_routes
 
 log = logging.getLogger("fleetserve.router")
@@ -25,6 +28,10 @@ log = logging.getLogger("fleetserve.router")
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> int:
     """Run the router until ``stop`` is set (or a signal arrives); returns the exit code."""
+    # bind the ports before the (possibly long) wait for the workers, so a busy port fails at once
+    socks = _bind_all(cfg)
+    if socks is None:
+        return 1
     router = Router(cfg)
     await router.start()
     stop = stop or asyncio.Event()
@@ -36,9 +43,12 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
             pass
     servers = []
     try:
-        if cfg.worker_urls:
+        if cfg.worker_urls and not cfg.disable_health_check:
             log.info("waiting up to %g s for %d worker(s) to become healthy: %s", cfg.worker_startup_timeout_secs,
                      len(cfg.worker_urls), " ".join(cfg.worker_urls))
+        elif cfg.worker_urls:
+            log.info("health checks off: adding %d worker(s) without waiting: %s", len(cfg.worker_urls),
+                     " ".join(cfg.worker_urls))
         # a signal must stop the wait too (it can last --worker-startup-timeout-secs, 1800 s by default)
         adding = asyncio.ensure_future(router.add_initial_workers())
         stopping = asyncio.ensure_future(stop.wait())
@@ -53,9 +63,9 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         if failed:
             log.error("workers not healthy within %s s: %s", cfg.worker_startup_timeout_secs, " ".join(failed))
             return 1
-        servers.append(await start_server(make_routes(router), cfg.host, cfg.port, cfg.max_payload_size))
+        servers.append(await start_server(make_routes(router), None, None, cfg.max_payload_size, sock=socks[0]))
         if cfg.prometheus_port is not None:
-            servers.append(await start_server(metrics_routes(router), cfg.prometheus_host, cfg.prometheus_port, 1024))
+            servers.append(await start_server(metrics_routes(router), None, None, 1024, sock=socks[1]))
         # Everything allocated so far (modules, app, workers) lives as long as the process:
         # move it out of the cyclic GC's generations, so a full collection only walks what
         # the router allocates later (a full pass over the start-up objects took ~30 ms here).
@@ -78,7 +88,27 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
     finally:
         for srv in servers:
             srv.close()
+        for sk in socks[len(servers):]:  # bound but never served (stopped during the worker wait)
+            sk.close()
         await router.stop()
+
+
+def _bind_all(cfg: RouterConfig) -> list | None:
+    """Sockets bound to the main port and the metrics port (if any); None, after one log line, if one cannot be."""
+    socks = []
+    for flags, host, port in (("--host/--port", cfg.host, cfg.port),
+                              ("--prometheus-host/--prometheus-port", cfg.prometheus_host, cfg.prometheus_port)):
+        if port is None:
+            continue
+        try:
+            socks.append(bind_socket(host, port))
+        except OSError as e:
+            why = "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+            log.error("cannot listen on %s:%d (%s): %s", host, port, flags, why)
+            for sk in socks:
+                sk.close()
+            return None
+    return socks
 
 
 def _address(server) -> str:

@@ -58,3 +58,19 @@ def test_prometheus_port_out_of_range_is_refused(capsys):
         parse_args(["--prometheus-port", "70000"])
     assert e.value.code == 2
     assert "--prometheus-port must be in 0..65535, got 70000" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+async def test_disable_health_check_logs_no_startup_wait(monkeypatch, caplog):
+    await bound_addresses(["--port", "0", "--disable-health-check", "--worker-urls", "http://127.0.0.1:9"],
+                          monkeypatch, caplog)
+    assert "waiting up to" not in caplog.text
+    assert "health checks off: adding 1 worker(s) without waiting: http://127.0.0.1:9" in caplog.text
+
+
+@pytest.mark.timeout(30)
+async def test_duplicate_worker_urls_are_said_once(monkeypatch, caplog):
+    await bound_addresses(["--port", "0", "--disable-health-check", "--worker-urls", "http://127.0.0.1:9",
+                           "127.0.0.1:9/"], monkeypatch, caplog)
+    assert "--worker-urls names http://127.0.0.1:9 more than once: it is one worker" in caplog.text
+    assert "0 workers" not in caplog.text and ", 1 workers" in caplog.text

@@ -27,6 +27,7 @@ What it does:
 from __future__ import annotations
 
 import asyncio
+import socket
 import collections
 import logging
 from http import HTTPStatus
@@ -406,17 +407,41 @@ async def _close_idle(live: set[HttpProtocol], idle_timeout_s: float) -> None:
                     proto._reply_and_close(json_error(408, f"request not received within {idle_timeout_s:g} s"))
 
 
-async def start_server(routes: Routes, host: str, port: int, max_body: int, backlog: int = 1024,
-                       idle_timeout_s: float = 75.0) -> "ListeningServer":
-    """Listen on ``host:port``; returns a :class:`ListeningServer` (close it to stop).
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (first address ``host`` resolves to), not listening yet.
 
-    Keep-alive client connections idle for ``idle_timeout_s`` seconds are closed
-    (aiohttp's server default is 75 s).
+    Binding early lets a caller refuse a busy port before a long wait; until
+    :func:`start_server` listens on it, connections to it are refused.  Raises
+    ``OSError`` (e.g. ``EADDRINUSE``, or ``socket.gaierror`` for an unknown host).
+    """
+    family, type_, proto, _, addr = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
+                                                       0, socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as create_server's reuse_address=True
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def start_server(routes: Routes, host: str | None, port: int | None, max_body: int, backlog: int = 1024,
+                       idle_timeout_s: float = 75.0, sock: socket.socket | None = None) -> "ListeningServer":
+    """Listen on ``host:port`` (or on ``sock``, from :func:`bind_socket`); returns a :class:`ListeningServer`.
+
+    Close it to stop.  Keep-alive client connections idle for ``idle_timeout_s``
+    seconds are closed (aiohttp's server default is 75 s).
     """
     loop = asyncio.get_running_loop()
     live: set[HttpProtocol] = set()
-    server = await loop.create_server(lambda: HttpProtocol(routes.table, max_body, live), host, port,
-                                      backlog=backlog, reuse_address=True)
+    factory = lambda: HttpProtocol(routes.table, max_body, live)  # noqa: E731
+    if sock is not None:
+        server = await loop.create_server(factory, sock=sock, backlog=backlog)
+    else:
+        server = await loop.create_server(factory, host, port, backlog=backlog, reuse_address=True)
     return ListeningServer(server, loop.create_task(_close_idle(live, idle_timeout_s)), live)
 
 
