@@ -67,13 +67,14 @@ async def handle_add_worker(router: Router, request: Request) -> Response:
     """
     raw = request.query.get("url")
     if not raw:
-        return json_error(400, "missing ?url= query parameter", param="url")
+        return json_error(400, "missing ?url= query parameter", param="url", code="invalid_worker_url")
     try:
         url = normalize_url(raw)
     except ValueError as e:
-        return json_error(400, f"bad worker url: {e}", param="url")
+        return json_error(400, f"bad worker url: {e}", param="url", code="invalid_worker_url")
     if router.registry.get(url) is not None:
-        return json_error(400, f"worker {url} is already registered", param="url")
+        return json_error(400, f"worker {url} is already registered", param="url",
+                          code="worker_already_registered")
     c = router.cfg
     if c.disable_health_check:
         router.registry.add(router.new_worker(url))
@@ -92,14 +93,15 @@ async def handle_add_worker(router: Router, request: Request) -> Response:
                        f"(waiting up to {c.worker_startup_timeout_secs:g} s; see /list_workers)"}))
     if task.cancelled():
         return json_error(409, f"worker {url} was removed while waiting for its health check",
-                          "conflict_error", param="url")
+                          "conflict_error", param="url", code="worker_removed")
     outcome = task.result()
     if outcome == "added":
         return Response(200, orjson.dumps({"success": True, "status": "added", "message": f"added worker {url}"}))
     if outcome == "duplicate":
-        return json_error(400, f"worker {url} is already registered", param="url")
+        return json_error(400, f"worker {url} is already registered", param="url",
+                          code="worker_already_registered")
     return json_error(503, f"worker {url} did not become healthy within {c.worker_startup_timeout_secs:g} s",
-                      "service_unavailable")
+                      "service_unavailable", code="worker_not_healthy")
 
 
 # how long POST /add_worker waits for the health check before answering 202 pending
@@ -128,11 +130,11 @@ async def _add_when_healthy(router: Router, url: str) -> str:
 async def handle_remove_worker(router: Router, request: Request) -> Response:
     raw = request.query.get("url")
     if not raw:
-        return json_error(400, "missing ?url= query parameter", param="url")
+        return json_error(400, "missing ?url= query parameter", param="url", code="invalid_worker_url")
     try:
         worker = router.registry.remove(raw)
     except ValueError as e:
-        return json_error(400, f"bad worker url: {e}", param="url")
+        return json_error(400, f"bad worker url: {e}", param="url", code="invalid_worker_url")
     if worker is None:
         task = router.pending.pop(normalize_url(raw), None)
         if task is not None:
@@ -140,7 +142,8 @@ async def handle_remove_worker(router: Router, request: Request) -> Response:
             log.info("worker %s: no longer waiting for it (removed while pending)", normalize_url(raw))
             return Response(200, orjson.dumps({"success": True,
                                                "message": f"stopped waiting for pending worker {normalize_url(raw)}"}))
-        return json_error(404, f"worker {raw} is not registered", "not_found_error", param="url")
+        return json_error(404, f"worker {raw} is not registered", "not_found_error", param="url",
+                          code="worker_not_found")
     router.policy.on_worker_removed(worker.url)
     router.pool.forget(worker.url)
     log.info("removed worker %s (%d requests still in flight)", worker.url, worker.load)
@@ -162,7 +165,7 @@ async def handle_list_workers(router: Router, request: Request) -> Response:
 async def handle_info(router: Router, request: Request) -> Response:
     workers = router.registry.available()
     if not workers:
-        return json_error(503, "no healthy worker available", "service_unavailable")
+        return json_error(503, "no healthy worker available", "service_unavailable", code="no_healthy_worker")
     last = None
     creds = credential_headers(request)
     for i in range(len(workers)):
@@ -178,7 +181,7 @@ async def handle_info(router: Router, request: Request) -> Response:
                 last = f"{worker.url} answered {resp.status}"
         except _UPSTREAM_ERRORS as e:
             last = f"{worker.url}: {type(e).__name__}"
-    return json_error(502, f"no worker answered {request.path}: {last}", "bad_gateway")
+    return json_error(502, f"no worker answered {request.path}: {last}", "bad_gateway", code="upstream_error")
 
 
 async def handle_flush_cache(router: Router, request: Request) -> Response:

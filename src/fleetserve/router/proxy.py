@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from .http.client import UpstreamError, UpstreamResponse, UpstreamTimeoutError
-from .http.server import Request, Response, json_error
+from .http.server import Request, Response, error_body, json_error
 from .retry import backoff_delay_s
 from .routing_text import routing_text
 from .workers import Worker
@@ -121,7 +121,8 @@ async def _forward(router: Router, request: Request, path: str, text: str, strea
         if worker is None:
             stats.no_worker += 1
             if failure is None:
-                return json_error(503, "no healthy worker available", "service_unavailable")
+                return json_error(503, "no healthy worker available", "service_unavailable",
+                                  code="no_healthy_worker")
             return failure
         result = await _attempt(router, request, worker, path, headers, stream)
         if type(result) is not _Retry:
@@ -159,9 +160,10 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
                 return Response(status, data, resp.headers.get("content-type", _JSON), _forwarded_headers(resp))
         except UpstreamError as e:
             _fail(worker)
-            status, kind = (504, "gateway_timeout") if isinstance(e, UpstreamTimeoutError) else (502, "bad_gateway")
+            status, kind, code = ((504, "gateway_timeout", "upstream_timeout") if isinstance(e, UpstreamTimeoutError)
+                                  else (502, "bad_gateway", "upstream_error"))
             return _Retry(json_error(status, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
-                                     kind))
+                                     kind, code=code))
         # streaming: from here on bytes reach the client, so no retry
         await _stream(request, worker, resp)
         return None
@@ -190,8 +192,7 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse) -> N
             # bytes already reached the client, so no retry: close off any half event and
             # end with an OpenAI-style error event (and no [DONE]) rather than a silent cut
             _fail(worker)
-            err = {"error": {"message": f"worker {worker.url} failed mid-stream: {e}", "type": "bad_gateway",
-                             "code": 502}}
+            err = error_body(f"worker {worker.url} failed mid-stream: {e}", "bad_gateway", code="upstream_error")
             await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err) + b"\n\n")
             request.end_stream()
             return

@@ -67,11 +67,21 @@ def json_response(obj, status: int = 200) -> Response:
     return Response(status, orjson.dumps(obj))
 
 
+def error_body(message: str, err_type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``, as OpenAI's API writes it.
+
+    ``code`` follows OpenAI's convention: a string a client can act on
+    (``"no_healthy_worker"``, ``"upstream_timeout"``, ...) or null, never the
+    HTTP status (that is the response's status line).
+    """
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
 def json_error(status: int, message: str, err_type: str = "invalid_request_error",
-               param: str | None = None) -> Response:
-    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}`` (code: the status)."""
-    return Response(status, orjson.dumps({"error": {"message": message, "type": err_type, "param": param,
-                                                    "code": status}}))
+               param: str | None = None, code: str | None = None) -> Response:
+    """An OpenAI-style JSON error response (see :func:`error_body`); ``status`` is the HTTP status."""
+    return Response(status, orjson.dumps(error_body(message, err_type, param, code)))
 
 
 class Request:
@@ -247,7 +257,8 @@ class HttpProtocol(asyncio.Protocol):
             return
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            too_large = json_error(413, f"request body exceeds --max-payload-size {self.max_body} bytes")
+            too_large = json_error(413, f"request body exceeds --max-payload-size {self.max_body} bytes",
+                                    code="payload_too_large")
             if self._headers.get("expect", "").lower() == "100-continue":
                 self._reply_and_close(too_large)  # the client waits for our word before sending the body
             elif self._task is None and not self._queue:
@@ -282,7 +293,8 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.close()
             return
         if self._too_large:  # a body that outgrew the limit
-            self._reply_and_close(json_error(413, f"request body exceeds --max-payload-size {self.max_body} bytes"))
+            self._reply_and_close(json_error(413, f"request body exceeds --max-payload-size {self.max_body} bytes",
+                                    code="payload_too_large"))
             return
         else:
             url = self._url.decode("latin-1")
