@@ -6,8 +6,15 @@ meaning where they overlap).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# Largest top_k accepted (the sampler holds it in an int64 tensor; any value past the
+# vocabulary size already means "no limit").
+MAX_TOP_K = 2**31 - 1
+# Seeds go to torch.Generator.manual_seed (64-bit); sample i of n uses seed + i.
+SEED_LIMIT = 2**63
 
 
 class SamplingParamsError(ValueError):
@@ -88,8 +95,8 @@ class SamplingParams:
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        def is_num(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        def is_num(x: Any) -> bool:  # NaN and infinities are no sampling values
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
         if self.max_new_tokens is not None and (not is_int(self.max_new_tokens) or self.max_new_tokens < 0):
             bad(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}", "max_new_tokens")
@@ -97,12 +104,12 @@ class SamplingParams:
             bad(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (-1, 0)):
-            bad(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}", "top_k")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (-1, 0)) or self.top_k > MAX_TOP_K:
+            bad(f"top_k must be -1 (disabled) or in [1, {MAX_TOP_K}], got {self.top_k!r}", "top_k")
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
-        if self.seed is not None and not is_int(self.seed):
-            bad(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and (not is_int(self.seed) or not -SEED_LIMIT <= self.seed < SEED_LIMIT):
+            bad(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}", "seed")
         if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}", "repetition_penalty")
         for name in ("frequency_penalty", "presence_penalty"):

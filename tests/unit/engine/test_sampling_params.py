@@ -20,6 +20,14 @@ from fleetserve.engine.sampling_params import SamplingParams, SamplingParamsErro
         ("stop_token_ids", [100]),
         ("stop_token_ids", [1.0]),
         ("stop", [""]),
+        ("top_k", 10**20),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("repetition_penalty", float("inf")),
+        ("frequency_penalty", float("nan")),
     ],
 )
 def test_out_of_range_names_the_field(field, value):
@@ -36,3 +44,8 @@ def test_from_dict_normalises_stop_and_rejects_unknown():
     with pytest.raises(SamplingParamsError) as err:
         SamplingParams.from_dict({"temprature": 1})
     assert err.value.param == "temprature"
+
+
+def test_extreme_but_valid_top_k_and_seed_pass():
+    SamplingParams(top_k=2**31 - 1, seed=2**63 - 1).verify(vocab_size=100)
+    SamplingParams(seed=-(2**63)).verify(vocab_size=100)

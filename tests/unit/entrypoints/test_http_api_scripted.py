@@ -103,6 +103,15 @@ def good_request_works(client) -> None:
 BAD = [
     # (description, path, raw body or json, status, param)
     ("malformed json", "/v1/completions", b'{"prompt": "x", ', 400, None),
+    # once killed the scheduler (int64 overflow in the sampler / torch.Generator.manual_seed)
+    ("top_k past int64", "/v1/completions", {"prompt": "x", "top_k": 10**20}, 400, "top_k"),
+    ("seed past 64 bits", "/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("generate seed past 64 bits", "/generate", {"text": "x", "sampling_params": {"seed": 2**64}}, 400,
+     "sampling_params.seed"),
+    ("NaN temperature", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("infinite repetition_penalty", "/v1/completions", b'{"prompt": "x", "repetition_penalty": Infinity}', 400,
+     "repetition_penalty"),
+    ("JSON nested past the parser's depth", "/v1/completions", b"[" * 9_000 + b"]" * 9_000, 400, None),
     ("body not an object", "/v1/completions", b"[1, 2]", 400, None),
     ("wrong type for temperature", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("wrong type for n", "/v1/completions", {"prompt": "x", "n": 2.0}, 400, "n"),

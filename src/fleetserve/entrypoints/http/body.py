@@ -39,6 +39,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(bytes(body))
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"malformed JSON body: {e}", 400, None, "invalid_json") from e
+    except RecursionError as e:  # arrays or objects nested deeper than the parser's stack
+        raise APIError("malformed JSON body: nested too deeply", 400, None, "invalid_json") from e
 
 
 def parse_model(cls: type[ModelT], data: Any) -> ModelT:
