@@ -107,14 +107,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleetserve serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP (issue 5)
+        from fleetserve.engine.rank_launch import run_worker_node
+
+        if args.model_path is None:
+            from fleetserve.models.registry import default_model_path
+
+            args.model_path = default_model_path()
+        return run_worker_node(args, ns.startup_timeout)
+    # Take the port before loading anything: a busy port fails in a second, not after the model load.
+    from fleetserve.entrypoints.ports import bind_socket
+
+    try:
+        listen_sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"fleetserve serve: --port {args.port}: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
+    args.port = listen_sock.getsockname()[1]  # --port 0: the port the OS picked
+    try:
+        return _serve(args, ns, listen_sock)
+    finally:
+        listen_sock.close()
+
+
+def _serve(args: ServerArgs, ns: argparse.Namespace, listen_sock) -> int:
     if args.model_path is None:
         from fleetserve.models.registry import default_model_path
 
         args.model_path = default_model_path()
-    if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP (issue 5)
-        from fleetserve.engine.rank_launch import run_worker_node
-
-        return run_worker_node(args, ns.startup_timeout)
     ipc_dir = tempfile.mkdtemp(prefix="fleetserve-")
     input_ep = f"ipc://{ipc_dir}/scheduler_in"
     output_ep = f"ipc://{ipc_dir}/scheduler_out"
@@ -157,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("serving %s on http://%s:%d (context %d tokens, vocab %d)",
                         info.served_model_name, args.host, args.port, ctx, vocab)
             try:
-                await uvicorn.Server(config).serve()
+                await uvicorn.Server(config).serve(sockets=[listen_sock])
             finally:
                 await tm.close()
 
