@@ -92,6 +92,34 @@ def _stop(procs, grace: float = 5.0) -> None:
             p.join(1.0)
 
 
+def describe_exit(code: int | None) -> str:
+    """``-9 -> "code -9 (SIGKILL)"``: how a child process ended, for one log line."""
+    if code is not None and code < 0:
+        try:
+            return f"code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"code {code}"
+
+
+async def _exit_when_a_rank_dies(procs, tm, server, died: list, every_s: float = 0.5) -> None:
+    """Stop the server (exit status 1) when a scheduler/rank process dies, say so once, and end
+    the requests waiting on it at once (streams get an error event, others 503)."""
+    from fleetserve.entrypoints.http.lifespan import ENGINE_DIED
+
+    while True:
+        await asyncio.sleep(every_s)
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            p = dead[0]
+            logger.error("scheduler process %s (pid %s) exited with %s; stopping the server", p.name, p.pid,
+                         describe_exit(p.exitcode))
+            died.append(p)
+            tm.fail_all(ENGINE_DIED)
+            server.should_exit = True
+            return
+
+
 def _exit_on_sigterm(signum: int, _frame: Any) -> None:
     # uvicorn re-raises the signal it caught once it has shut down; with the default
     # SIGTERM action the process would die before stopping its scheduler children.
@@ -177,13 +205,17 @@ def _serve(args: ServerArgs, ns: argparse.Namespace, listen_sock) -> int:
                                     timeout_keep_alive=5, h11_max_incomplete_event_size=ns.max_request_bytes + 65536)
             logger.info("serving %s on http://%s:%d (context %d tokens, vocab %d)",
                         info.served_model_name, args.host, args.port, ctx, vocab)
+            server = uvicorn.Server(config)
+            watch = asyncio.get_running_loop().create_task(_exit_when_a_rank_dies(procs, tm, server, died))
             try:
-                await uvicorn.Server(config).serve(sockets=[listen_sock])
+                await server.serve(sockets=[listen_sock])
             finally:
+                watch.cancel()
                 await tm.close()
 
+        died: list = []
         loop.run_until_complete(serve())
-        return 0
+        return 1 if died else 0
     except (RuntimeError, ValueError, NotImplementedError, FileNotFoundError) as e:
         logger.error("%s: %s", type(e).__name__, e)
         return 1
