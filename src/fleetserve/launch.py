@@ -22,8 +22,10 @@ Life cycle:
    (``POST /remove_worker?url=``) and, with ``--restart-workers``, started
    again on its port and re-registered (``POST /add_worker?url=``) once
    healthy; a dead router ends the launch;
-4. on SIGINT/SIGTERM (or a dead router) send SIGTERM to every process group,
-   wait ``--shutdown-grace`` seconds, SIGKILL what is left, and return.
+4. on SIGINT/SIGTERM/SIGHUP (or a dead router) send SIGTERM to every process group,
+   wait ``--shutdown-grace`` seconds, SIGKILL what is left, and return. If this
+   process is killed outright (SIGKILL), each child gets SIGTERM from the kernel
+   (``PR_SET_PDEATHSIG``, Linux), so nothing outlives the launch.
 
 Each child's PID is printed (``pid=``) so that scripts and tests can check that
 none is left behind.
@@ -44,6 +46,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def _die_with_launch(launch_pid: int):
+    """A ``preexec_fn``: the child gets SIGTERM when this launch process dies, however it dies
+    (SIGKILL included, where no clean-up here runs); SIGTERM lets an instance stop its own ranks."""
+    from fleetserve.engine.parent_watch import set_parent_death_signal
+
+    return lambda: set_parent_death_signal(signal.SIGTERM, launch_pid)
+
+
 @dataclass
 class Child:
     """One started process (router or instance)."""
@@ -60,7 +70,8 @@ class Child:
         out = open(self.log, "ab") if self.log else None
         try:
             self.proc = subprocess.Popen(self.cmd, start_new_session=True, stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=subprocess.STDOUT if out else None)
+                                         stdout=out, stderr=subprocess.STDOUT if out else None,
+                                         preexec_fn=_die_with_launch(os.getpid()))
         finally:
             if out:
                 out.close()
@@ -226,7 +237,7 @@ class Launcher:
 
     # ------------------------------------------------------------------- run
     def run(self) -> int:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal went away
             signal.signal(sig, self._on_signal)
         code = 0
         try:
