@@ -179,7 +179,13 @@ def _serve(args: ServerArgs, ns: argparse.Namespace, listen_sock) -> int:
         asyncio.set_event_loop(loop)
         from fleetserve.models.tokenizer import load_tokenizer
 
-        procs, readers = _start_schedulers(args, input_ep, output_ep)
+        # Ctrl-C in a terminal signals the whole process group: the ranks ignore SIGINT (inherited
+        # SIG_IGN survives their exec) and this process stops them, so the user sees no traceback.
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            procs, readers = _start_schedulers(args, input_ep, output_ep)
+        finally:
+            signal.signal(signal.SIGINT, sigint)
         tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)  # GGUF: converted once, then cached
         infos = _wait_ready(procs, readers, ns.startup_timeout)
         first = infos[0]
@@ -219,6 +225,9 @@ def _serve(args: ServerArgs, ns: argparse.Namespace, listen_sock) -> int:
     except (RuntimeError, ValueError, NotImplementedError, FileNotFoundError) as e:
         logger.error("%s: %s", type(e).__name__, e)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises the SIGINT it caught once it has shut down
+        logger.info("interrupted: stopped")
+        return 128 + signal.SIGINT
     finally:
         _stop(procs)
         shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -1,5 +1,6 @@
 """A `fleetserve serve` whose rank process dies (SIGKILL, as the OOM killer sends) says so in one
-log line, ends the stream in flight with an error event and exits non-zero (issue 14)."""
+log line, ends the stream in flight with an error event and exits non-zero; Ctrl-C stops it without a
+traceback (issue 14)."""
 
 import json
 import os
@@ -57,6 +58,39 @@ def test_rank_killed_mid_stream(tiny_llama_dir, tmp_path):
         assert len(lines) == 1 and re.search(
             rf"ERROR fleetserve.serve: scheduler process fleetserve-[\w-]+ \(pid {ranks[0]}\) exited with code -9 "
             r"\(SIGKILL\); stopping the server", lines[0]), lines
+    finally:
+        err.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_cleanly_without_a_traceback(tiny_llama_dir, tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole process group (server and ranks)."""
+    err_path = tmp_path / "stderr.txt"
+    err = open(err_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_llama_dir,
+                             "--port", "0", "--max-total-tokens", "512", "--log-level", "info"],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=err,
+                            start_new_session=True)
+    try:
+        end = time.monotonic() + 120
+        while "serving " not in err_path.read_text():
+            assert proc.poll() is None, err_path.read_text()[-2000:]
+            assert time.monotonic() < end
+            time.sleep(0.2)
+        ranks = _rank_children(proc.pid)
+        assert ranks
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        text = err_path.read_text()
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+        assert "interrupted: stopped" in text
+        end = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{r}") for r in ranks) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{r}") for r in ranks)
     finally:
         err.close()
         if proc.poll() is None:
