@@ -22,8 +22,10 @@ Life cycle:
    (``POST /remove_worker?url=``) and, with ``--restart-workers``, started
    again on its port and re-registered (``POST /add_worker?url=``) once
    healthy; a dead router ends the launch;
-4. on SIGINT/SIGTERM (or a dead router) send SIGTERM to every process group,
-   wait ``--shutdown-grace`` seconds, SIGKILL what is left, and return.
+4. on SIGINT/SIGTERM/SIGHUP (or a dead router) send SIGTERM to every process group,
+   wait ``--shutdown-grace`` seconds, SIGKILL what is left, and return. If this
+   process is killed outright (SIGKILL), each child gets SIGTERM from the kernel
+   (``PR_SET_PDEATHSIG``, Linux), so nothing outlives the launch.
 
 Each child's PID is printed (``pid=``) so that scripts and tests can check that
 none is left behind.
@@ -44,6 +46,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def _die_with_launch(launch_pid: int):
+    """A ``preexec_fn``: the child gets SIGTERM when this launch process dies, however it dies
+    (SIGKILL included, where no clean-up here runs); SIGTERM lets an instance stop its own ranks."""
+    from fleetserve.engine.parent_watch import set_parent_death_signal
+
+    return lambda: set_parent_death_signal(signal.SIGTERM, launch_pid)
+
+
 @dataclass
 class Child:
     """One started process (router or instance)."""
@@ -60,7 +70,8 @@ class Child:
         out = open(self.log, "ab") if self.log else None
         try:
             self.proc = subprocess.Popen(self.cmd, start_new_session=True, stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=subprocess.STDOUT if out else None)
+                                         stdout=out, stderr=subprocess.STDOUT if out else None,
+                                         preexec_fn=_die_with_launch(os.getpid()))
         finally:
             if out:
                 out.close()
@@ -84,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "instance.", formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--workers", type=int, default=2, help="number of engine instances")
     p.add_argument("--host", default="127.0.0.1", help="address of the router and the instances")
-    p.add_argument("--port", type=int, default=30000, help="router port")
+    p.add_argument("--port", type=int, default=30000, help="router port (1..65535)")
     p.add_argument("--worker-base-port", type=int, default=31000, help="instance i listens on this + i")
     p.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin", "random", "power_of_two"))
     p.add_argument("--router-args", default="", help='extra router flags, one string: "--cache-threshold 0.5"')
@@ -96,6 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="write each child's output to <log-dir>/<name>.log; None: "
                    "children write to this terminal")
     return p
+
+
+def check_ports(args: argparse.Namespace) -> str | None:
+    """One line naming the flag when the router's or an instance's port is out of range, taken twice, or busy.
+
+    Checked before any child starts, so a bad port never costs a model load.
+    """
+    from fleetserve.entrypoints.ports import port_busy_error, port_range_error
+
+    bad = port_range_error("--port", args.port)
+    if bad:
+        return bad
+    bad = port_range_error("--worker-base-port", args.worker_base_port, args.workers)
+    if bad:
+        return f"{bad} (--workers {args.workers})"
+    workers = range(args.worker_base_port, args.worker_base_port + args.workers)
+    if args.port in workers:
+        return (f"--port {args.port} is also an instance's port (--worker-base-port {args.worker_base_port} "
+                f".. {workers[-1]})")
+    for flag, port in [("--port", args.port), *(("--worker-base-port", p) for p in workers)]:
+        busy = port_busy_error(flag, args.host, port)
+        if busy:
+            return busy
+    return None
 
 
 def _http(url: str, method: str = "GET", timeout: float = 2.0) -> int:
@@ -202,7 +237,7 @@ class Launcher:
 
     # ------------------------------------------------------------------- run
     def run(self) -> int:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal went away
             signal.signal(sig, self._on_signal)
         code = 0
         try:
@@ -234,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     args, instance_args = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if args.workers < 1:
         print("--workers must be >= 1", file=sys.stderr)
+        return 2
+    bad = check_ports(args)
+    if bad:
+        print(f"fleetserve launch: {bad}", file=sys.stderr)
         return 2
     return Launcher(args, instance_args).run()
 

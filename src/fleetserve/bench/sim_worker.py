@@ -31,6 +31,7 @@ from aiohttp import web
 from fleetserve.bench import timing_model
 from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
 from fleetserve.bench.sim_tokenizer import make_tokenizer
+from fleetserve.entrypoints.ports import port_range_error
 
 WORKER_HEADER = "X-Fleetserve-Worker"
 
@@ -284,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fleetserve sim-worker", description=__doc__.split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=31000, help="port of the first worker")
+    p.add_argument("--port", type=int, default=31000,
+                   help="port of the first worker; 0 (with --num-workers 1): pick a free port, printed at start")
     p.add_argument("--num-workers", type=int, default=1, help="workers hosted by this process, on consecutive ports")
     p.add_argument("--model-name", default="sim-llama-8b", help="model id reported by /v1/models and responses")
     p.add_argument("--tokenizer", choices=("word", "smollm2"), default="word",
@@ -311,9 +313,14 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
         worker = SimWorker(eng, tok, args.model_name, args.stream_interval, url)
         runner = web.AppRunner(worker.app, access_log=None, shutdown_timeout=2.0)
         await runner.setup()
-        await web.TCPSite(runner, args.host, port, backlog=4096).start()
+        site = web.TCPSite(runner, args.host, port, backlog=4096)
+        await site.start()
         runners.append(runner)
         engines.append(eng)
+        if port == 0:  # the port the OS picked, so the line below names where it really listens
+            args.port = port = runner.addresses[0][1]
+            eng.name = f"{args.host}:{port}"
+            worker.url = f"http://{args.host}:{port}"
     print(f"sim-worker: {args.num_workers} worker(s) on http://{args.host}:{args.port}"
           f"..{args.port + args.num_workers - 1} ({args.profile}, time_scale={model.time_scale})", flush=True)
     if ready is not None:
@@ -337,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_workers < 1 or args.stream_interval < 1:
         print("--num-workers and --stream-interval must be >= 1", file=sys.stderr)
+        return 2
+    bad = port_range_error("--port", args.port, args.num_workers, allow_zero=True)
+    if bad:
+        print(f"sim-worker: {bad}" + (f" (--num-workers {args.num_workers})" if args.num_workers > 1 else ""),
+              file=sys.stderr)
         return 2
     try:
         import uvloop

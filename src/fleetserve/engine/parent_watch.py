@@ -9,8 +9,36 @@ they would otherwise live on, holding the model in memory.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import threading
 import time
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``).
+
+    Meant for ``subprocess.Popen(preexec_fn=...)``: it covers the parent's SIGKILL, which no clean-up
+    in the parent can. ``parent_pid``: the expected parent; if it is already gone (it died before the
+    call), ``sig`` is sent at once. The signal fires when the *thread* that started the child exits,
+    so start children from a thread that lives as long as the parent (the main thread).
+    Returns False where unsupported (not Linux, no libc).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+    return True
 
 
 def parent_gone(parent_pid: int) -> bool:

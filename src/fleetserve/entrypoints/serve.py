@@ -92,6 +92,34 @@ def _stop(procs, grace: float = 5.0) -> None:
             p.join(1.0)
 
 
+def describe_exit(code: int | None) -> str:
+    """``-9 -> "code -9 (SIGKILL)"``: how a child process ended, for one log line."""
+    if code is not None and code < 0:
+        try:
+            return f"code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"code {code}"
+
+
+async def _exit_when_a_rank_dies(procs, tm, server, died: list, every_s: float = 0.5) -> None:
+    """Stop the server (exit status 1) when a scheduler/rank process dies, say so once, and end
+    the requests waiting on it at once (streams get an error event, others 503)."""
+    from fleetserve.entrypoints.http.lifespan import ENGINE_DIED
+
+    while True:
+        await asyncio.sleep(every_s)
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            p = dead[0]
+            logger.error("scheduler process %s (pid %s) exited with %s; stopping the server", p.name, p.pid,
+                         describe_exit(p.exitcode))
+            died.append(p)
+            tm.fail_all(ENGINE_DIED)
+            server.should_exit = True
+            return
+
+
 def _exit_on_sigterm(signum: int, _frame: Any) -> None:
     # uvicorn re-raises the signal it caught once it has shut down; with the default
     # SIGTERM action the process would die before stopping its scheduler children.
@@ -107,14 +135,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleetserve serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP (issue 5)
+        from fleetserve.engine.rank_launch import run_worker_node
+
+        if args.model_path is None:
+            from fleetserve.models.registry import default_model_path
+
+            args.model_path = default_model_path()
+        return run_worker_node(args, ns.startup_timeout)
+    # Take the port before loading anything: a busy port fails in a second, not after the model load.
+    from fleetserve.entrypoints.ports import bind_socket
+
+    try:
+        listen_sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"fleetserve serve: --port {args.port}: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
+    args.port = listen_sock.getsockname()[1]  # --port 0: the port the OS picked
+    try:
+        return _serve(args, ns, listen_sock)
+    finally:
+        listen_sock.close()
+
+
+def _serve(args: ServerArgs, ns: argparse.Namespace, listen_sock) -> int:
     if args.model_path is None:
         from fleetserve.models.registry import default_model_path
 
         args.model_path = default_model_path()
-    if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP (issue 5)
-        from fleetserve.engine.rank_launch import run_worker_node
-
-        return run_worker_node(args, ns.startup_timeout)
     ipc_dir = tempfile.mkdtemp(prefix="fleetserve-")
     input_ep = f"ipc://{ipc_dir}/scheduler_in"
     output_ep = f"ipc://{ipc_dir}/scheduler_out"
@@ -130,7 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop(loop)
         from fleetserve.models.tokenizer import load_tokenizer
 
-        procs, readers = _start_schedulers(args, input_ep, output_ep)
+        # Ctrl-C in a terminal signals the whole process group: the ranks ignore SIGINT (inherited
+        # SIG_IGN survives their exec) and this process stops them, so the user sees no traceback.
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            procs, readers = _start_schedulers(args, input_ep, output_ep)
+        finally:
+            signal.signal(signal.SIGINT, sigint)
         tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)  # GGUF: converted once, then cached
         infos = _wait_ready(procs, readers, ns.startup_timeout)
         first = infos[0]
@@ -156,16 +211,23 @@ def main(argv: list[str] | None = None) -> int:
                                     timeout_keep_alive=5, h11_max_incomplete_event_size=ns.max_request_bytes + 65536)
             logger.info("serving %s on http://%s:%d (context %d tokens, vocab %d)",
                         info.served_model_name, args.host, args.port, ctx, vocab)
+            server = uvicorn.Server(config)
+            watch = asyncio.get_running_loop().create_task(_exit_when_a_rank_dies(procs, tm, server, died))
             try:
-                await uvicorn.Server(config).serve()
+                await server.serve(sockets=[listen_sock])
             finally:
+                watch.cancel()
                 await tm.close()
 
+        died: list = []
         loop.run_until_complete(serve())
-        return 0
+        return 1 if died else 0
     except (RuntimeError, ValueError, NotImplementedError, FileNotFoundError) as e:
         logger.error("%s: %s", type(e).__name__, e)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises the SIGINT it caught once it has shut down
+        logger.info("interrupted: stopped")
+        return 128 + signal.SIGINT
     finally:
         _stop(procs)
         shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -27,6 +27,9 @@ from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, Comple
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for sampling_params.max_new_tokens
 MAX_TOP_LOGPROBS = 20
+# Samples one request may ask for (``n``; ``sampling_params.n`` on /generate). OpenAI's own API allows
+# 128; each sample holds its own decode slot and KV, so more is refused (400, param ``n``). README: "Limits".
+MAX_N = 128
 
 
 def _is_int(x: Any) -> bool:
@@ -76,7 +79,8 @@ def fit_sampling(fields: dict[str, Any], *, prompt_len: int, vocab_size: int, co
         default_max_tokens: see ``fields``.
 
     Raises:
-        APIError(400): ``param="prompt"`` when the prompt alone fills the context;
+        APIError(400): ``param="n"`` when more than :data:`MAX_N` samples are asked for;
+            ``param="prompt"`` when the prompt alone fills the context;
             ``max_tokens_param`` when prompt + output overflows it (both with code
             ``context_length_exceeded``); the field's name when a value is out of range.
     """
@@ -95,6 +99,8 @@ def fit_sampling(fields: dict[str, Any], *, prompt_len: int, vocab_size: int, co
         raise APIError(str(e), 400, max_tokens_param if e.param == "max_new_tokens" else e.param) from e
     except TypeError as e:
         raise APIError(str(e), 400, None) from e
+    if sp.n > MAX_N:
+        raise APIError(f"n must be at most {MAX_N}, got {sp.n}", 400, "n")
     if ctx is not None and prompt_len + sp.max_new_tokens > ctx:
         raise APIError(
             f"this model's maximum context length is {ctx} tokens; the prompt has {prompt_len} tokens and "

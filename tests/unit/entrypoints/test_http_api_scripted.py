@@ -8,6 +8,7 @@ integration tests repeat the important cases on the real engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import sys
@@ -129,6 +130,10 @@ BAD = [
     ("float token id", "/v1/completions", {"prompt": [1.0, 2]}, 400, "prompt"),
     ("stop_token_ids outside vocab", "/v1/completions", {"prompt": "x", "stop_token_ids": [999]}, 400, "stop_token_ids"),
     ("n < 1", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("n above the cap", "/v1/completions", {"prompt": "x", "n": 129}, 400, "n"),
+    ("chat n above the cap", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 5000},
+     400, "n"),
+    ("generate n above the cap", "/generate", {"text": "x", "sampling_params": {"n": 129}}, 400, "sampling_params.n"),
     ("temperature < 0", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "temperature": -0.5}, 400, "temperature"),
     ("top_p 0", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
@@ -336,16 +341,23 @@ def test_dead_scheduler_ends_requests_instead_of_hanging():
     alive = [True]
     s = Server(delay=0.01, is_alive=lambda: alive[0])
     try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key=API_KEY, timeout=20, max_retries=0)
         s.sched.delay = 5.0  # the "scheduler" stalls after its first step ...
-        stream = c.completions.create(model=MODEL, prompt="x", max_tokens=30, stream=True)
-        first = next(iter(stream))
-        assert first.choices[0].text == "H"
-        alive[0] = False  # ... and its process is reported dead
-        t0 = time.monotonic()
-        rest = list(stream)
+        with httpx.stream("POST", f"http://127.0.0.1:{s.port}/v1/completions", timeout=20,
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"prompt": "x", "max_tokens": 30, "stream": True}) as r:
+            assert r.status_code == 200
+            events = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
+            first = json.loads(next(events))
+            assert first["choices"][0]["text"] == "H"
+            alive[0] = False  # ... and its process is reported dead
+            t0 = time.monotonic()
+            rest = list(events)
         assert time.monotonic() - t0 < 4.0
-        assert rest[-1].choices[0].finish_reason == "abort"
+        assert "[DONE]" not in rest  # a cut-short answer is not presented as a normal end
+        assert json.loads(rest[-1]) == {"error": {
+            "message": "the scheduler process exited while generating this request",
+            "type": "service_unavailable", "param": None, "code": 503}}
+        assert all("abort" not in e for e in rest)
         r = httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         r = httpx.post(f"http://127.0.0.1:{s.port}/v1/completions", json={"prompt": "x"},

@@ -124,3 +124,16 @@ def test_chat_messages_join_text_parts_and_rename_developer():
     bad = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
     assert refused(chat_messages, bad).param == "messages.0.content.0.type"
     assert refused(chat_messages, ChatCompletionRequest(messages=[{"role": "user"}])).param == "messages"
+
+
+def test_n_is_capped_at_max_n():
+    from fleetserve.entrypoints.validation import MAX_N
+
+    assert MAX_N == 128
+    assert completion_sampling(CompletionRequest(prompt="x", n=MAX_N), prompt_len=1, **LIMITS).n == MAX_N
+    e = refused(completion_sampling, CompletionRequest(prompt="x", n=5000), prompt_len=1, **LIMITS)
+    assert (e.status, e.param, str(e)) == (400, "n", "n must be at most 128, got 5000")
+    e = refused(chat_sampling, ChatCompletionRequest(messages=USER, n=129), prompt_len=1, **LIMITS)
+    assert (e.status, e.param, str(e)) == (400, "n", "n must be at most 128, got 129")
+    e = refused(native_sampling, {"n": 129}, prompt_len=1, **LIMITS)
+    assert (e.status, e.param, str(e)) == (400, "sampling_params.n", "n must be at most 128, got 129")

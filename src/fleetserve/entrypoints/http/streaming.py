@@ -149,14 +149,38 @@ async def collect(streams: Sequence[GenerationStream]) -> Collected:
     return per
 
 
+class EngineDied(Exception):
+    """Raised inside a stream's chunks when its scheduler process died: the stream ends with an error."""
+
+
+async def _until_engine_died(merged: Merged) -> Merged:
+    async for i, out in merged:
+        if out.finish_reason == "abort" and out.abort_message == ENGINE_DIED:
+            raise EngineDied
+        yield i, out
+
+
+def engine_died_event() -> dict[str, Any]:
+    """The last event of a stream cut short by a dead scheduler (OpenAI's error shape, status 503)."""
+    return APIError(f"{ENGINE_DIED} while generating this request", 503).to_dict()
+
+
 async def sse_events(streams: Sequence[GenerationStream], chunks: Callable[[Merged], AsyncIterator[Any]]
                      ) -> AsyncIterator[str]:
-    """``chunks(merged outputs)`` as server-sent events, then ``[DONE]``; aborts the streams on exit."""
+    """``chunks(merged outputs)`` as server-sent events, then ``[DONE]``; aborts the streams on exit.
+
+    When the scheduler process dies mid-stream the last event is ``{"error": {...}}`` (code 503) and
+    no ``[DONE]`` follows: a client must not take a cut-short answer for a finished one.
+    """
     merged = merge_streams(streams)
-    events = chunks(merged)
+    events = chunks(_until_engine_died(merged))
     try:
-        async for event in events:
-            yield sse(event)
+        try:
+            async for event in events:
+                yield sse(event)
+        except EngineDied:
+            yield sse(engine_died_event())
+            return
         yield SSE_DONE
     finally:
         abort_all(streams)
