@@ -38,7 +38,7 @@ WORKER_HEADER = "X-Fleetserve-Worker"
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "internal_server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
                              status=status)
 
 

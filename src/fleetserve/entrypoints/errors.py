@@ -4,7 +4,7 @@ Every check a request goes through before it reaches the scheduler (body
 parsing, the OpenAI and SGLang field rules, sampling ranges, context fit, token
 ids) raises :class:`APIError`. It is plain Python: the HTTP layer
 (:mod:`fleetserve.entrypoints.http.errors`) turns it into the OpenAI-style body
-``{"error": {"message": str, "type": str, "param": str | None, "code": int | str | None}}``
+``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``
 with ``status`` as the HTTP status, and the offline :class:`~fleetserve.entrypoints.engine.Engine`
 lets it propagate (it is a ``ValueError``).
 """
@@ -35,7 +35,9 @@ class APIError(ValueError):
         message: human-readable explanation.
         status: HTTP status (400 unless said otherwise).
         param: the offending request field, dotted (``"messages.0.content"``), or None.
-        code: machine-readable code; defaults to the HTTP status.
+        code: machine-readable code, a string a client can act on (``"model_not_found"``,
+            ``"invalid_api_key"`` ...) or None, as in OpenAI's errors and the router's; never
+            the HTTP status.
         type: OpenAI error type; derived from ``status`` when omitted.
     """
 
@@ -44,14 +46,14 @@ class APIError(ValueError):
         message: str,
         status: int = 400,
         param: str | None = None,
-        code: int | str | None = None,
+        code: str | None = None,
         type: str | None = None,
     ):
         super().__init__(message)
         self.message = message
         self.status = int(status)
         self.param = param
-        self.code = code if code is not None else self.status
+        self.code = code
         self.type = type or _TYPE_BY_STATUS.get(self.status, "invalid_request_error")
 
     def to_dict(self) -> dict[str, Any]:

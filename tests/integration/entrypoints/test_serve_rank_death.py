@@ -52,7 +52,7 @@ def test_rank_killed_mid_stream(tiny_llama_dir, tmp_path):
             os.kill(ranks[0], signal.SIGKILL)
             rest = list(events)
         assert "[DONE]" not in rest
-        assert json.loads(rest[-1])["error"]["code"] == 503
+        assert json.loads(rest[-1])["error"]["code"] == "engine_unavailable"
         assert proc.wait(timeout=30) == 1
         lines = [ln for ln in err_path.read_text().splitlines() if "exited with code" in ln]
         assert len(lines) == 1 and re.search(

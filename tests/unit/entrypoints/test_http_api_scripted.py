@@ -356,7 +356,7 @@ def test_dead_scheduler_ends_requests_instead_of_hanging():
         assert "[DONE]" not in rest  # a cut-short answer is not presented as a normal end
         assert json.loads(rest[-1]) == {"error": {
             "message": "the scheduler process exited while generating this request",
-            "type": "service_unavailable", "param": None, "code": 503}}
+            "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}
         assert all("abort" not in e for e in rest)
         r = httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
@@ -409,7 +409,7 @@ def test_no_scheduler_connected_is_503_not_a_hang():
     try:
         assert ready.wait(20)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "n": 2}, timeout=5)
-        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert box["tm"].streams == {}
         assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200
     finally:

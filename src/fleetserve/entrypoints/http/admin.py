@@ -28,7 +28,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> Response:
     if not server_state(request).engine_running():
-        return error_response(APIError("the scheduler process is not running", 503))
+        return error_response(APIError("the scheduler process is not running", 503, None, "engine_unavailable"))
     return Response(status_code=200)
 
 
@@ -45,7 +45,7 @@ async def health_generate(request: Request) -> Response:
     try:
         await asyncio.wait_for(drain(), HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:
-        return error_response(APIError("one-token generation did not finish in 30 s", 503))
+        return error_response(APIError("one-token generation did not finish in 30 s", 503, None, "engine_unavailable"))
     finally:
         stream.abort()
     return Response(status_code=200)

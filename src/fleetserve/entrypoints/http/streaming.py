@@ -65,13 +65,15 @@ def submit_all(state: ServerState, prompts: Sequence[list[int]], sampling: Seque
     try:
         for ids, sp, rid in zip(prompts, sampling, rids):
             if not state.engine_running():
-                raise APIError("the engine is not running (its scheduler process exited)", 503)
+                raise APIError("the engine is not running (its scheduler process exited)", 503, None,
+                               "engine_unavailable")
             try:
                 streams += state.tm.submit(ids, sp, rid=rid, **options)
             except APIError:
                 raise
             except Exception as e:  # zmq.Again: no scheduler connected
-                raise APIError(f"the engine is not accepting requests: {e}", 503) from e
+                raise APIError(f"the engine is not accepting requests: {e}", 503, None,
+                               "engine_unavailable") from e
     except BaseException:
         abort_all(streams)
         raise
@@ -137,7 +139,7 @@ async def until_disconnect(request: Request, work: Awaitable[Any], streams: Sequ
 def raise_if_engine_died(collected: Collected) -> None:
     """A request cut short by a dead scheduler is a 503, not a 200 with finish reason "abort"."""
     if any(o.finish_reason == "abort" and o.abort_message == ENGINE_DIED for outs in collected for o in outs):
-        raise APIError(f"{ENGINE_DIED} while generating this request", 503)
+        raise APIError(f"{ENGINE_DIED} while generating this request", 503, None, "engine_unavailable")
 
 
 async def collect(streams: Sequence[GenerationStream]) -> Collected:
@@ -162,14 +164,14 @@ async def _until_engine_died(merged: Merged) -> Merged:
 
 def engine_died_event() -> dict[str, Any]:
     """The last event of a stream cut short by a dead scheduler (OpenAI's error shape, status 503)."""
-    return APIError(f"{ENGINE_DIED} while generating this request", 503).to_dict()
+    return APIError(f"{ENGINE_DIED} while generating this request", 503, None, "engine_unavailable").to_dict()
 
 
 async def sse_events(streams: Sequence[GenerationStream], chunks: Callable[[Merged], AsyncIterator[Any]]
                      ) -> AsyncIterator[str]:
     """``chunks(merged outputs)`` as server-sent events, then ``[DONE]``; aborts the streams on exit.
 
-    When the scheduler process dies mid-stream the last event is ``{"error": {...}}`` (code 503) and
+    When the scheduler process dies mid-stream the last event is ``{"error": {...}}`` (code ``engine_unavailable``) and
     no ``[DONE]`` follows: a client must not take a cut-short answer for a finished one.
     """
     merged = merge_streams(streams)
