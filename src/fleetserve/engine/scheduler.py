@@ -173,7 +173,7 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """One iteration (see module docstring). Returns the outputs to send."""
         batch = self.get_next_batch()
-        # ---- DP attention hook: all-gather token counts / IDLE batch (issue 5) ----
+        # ---- DP attention hook: all-gather token counts / IDLE batch ----
         if self.dp_hook is not None:
             batch = self.dp_hook(self, batch)
         # ---------------------------------------------------------------------------

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleetserve serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP (issue 5)
+    if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP
         from fleetserve.engine.rank_launch import run_worker_node
 
         if args.model_path is None:

@@ -1,6 +1,6 @@
 """A `fleetserve serve` whose rank process dies (SIGKILL, as the OOM killer sends) says so in one
 log line, ends the stream in flight with an error event and exits non-zero; Ctrl-C stops it without a
-traceback (issue 14)."""
+traceback."""
 
 import json
 import os

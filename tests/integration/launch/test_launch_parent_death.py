@@ -1,4 +1,4 @@
-"""Children of ``fleetserve launch`` die with it, however it dies (issue 14): SIGKILL (no clean-up in
+"""Children of ``fleetserve launch`` die with it, however it dies: SIGKILL (no clean-up in
 launch runs; the kernel's parent-death signal ends them) and SIGHUP (a clean stop)."""
 
 import os

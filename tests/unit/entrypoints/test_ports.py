@@ -1,4 +1,4 @@
-"""Ports are checked before anything starts, one line naming the flag (issue 14)."""
+"""Ports are checked before anything starts, one line naming the flag."""
 
 import os
 import re
