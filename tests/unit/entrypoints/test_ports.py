@@ -1,6 +1,5 @@
 """Ports are checked before anything starts, one line naming the flag."""
 
-import os
 import re
 import socket
 import subprocess

@@ -5,7 +5,6 @@ An in-process aiohttp worker that, like ``fleetserve serve --api-key``, answers
 is sent, on every path but ``/health``; a router in the same event loop.
 """
 
-import asyncio
 
 import aiohttp
 import pytest
