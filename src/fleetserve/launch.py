@@ -133,6 +133,25 @@ def check_ports(args: argparse.Namespace) -> str | None:
     return None
 
 
+def effective_policy(args: argparse.Namespace) -> str:
+    """The routing policy the router will run: a ``--policy`` inside ``--router-args`` comes
+    after launch's own on the router's command line, so it wins (argparse keeps the last)."""
+    policy = args.policy
+    extra = shlex.split(args.router_args)
+    for i, tok in enumerate(extra):
+        if tok == "--policy" and i + 1 < len(extra):
+            policy = extra[i + 1]
+        elif tok.startswith("--policy="):
+            policy = tok.split("=", 1)[1]
+    return policy
+
+
+# The example printed once the fleet is up: greedy (temperature 0) so that the first answer
+# shows the model at its best; the line after it says how to sample.
+EXAMPLE_BODY = ('{"messages":[{"role":"user","content":"What is the capital of France?"}],'
+                '"max_tokens":32,"temperature":0}')
+
+
 def _http(url: str, method: str = "GET", timeout: float = 2.0) -> int:
     """Status code of a bodiless request, 0 when unreachable."""
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
@@ -249,10 +268,11 @@ class Launcher:
             self.router.start()
             if not self._wait_healthy([self.router], deadline):
                 return 0 if self.stopping else 1
-            body = '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32}'
-            print(f"[launch] router ready: {self.router_url} ({self.args.policy}, {len(self.workers)} instances)\n"
+            print(f"[launch] router ready: {self.router_url} ({effective_policy(self.args)}, "
+                  f"{len(self.workers)} instances)\n"
                   f"[launch] try: curl {self.router_url}/v1/chat/completions -H 'Content-Type: application/json' "
-                  f"-d '{body}'", flush=True)
+                  f"-d '{EXAMPLE_BODY}'\n"
+                  f"[launch] (greedy; set \"temperature\" above 0, e.g. 0.7, to sample)", flush=True)
             while not self.stopping:
                 time.sleep(0.5)
                 if not self.router.alive():
