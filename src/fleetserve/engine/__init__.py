@@ -1,1 +1,1 @@
-"""One inference instance: scheduler, KV cache, radix cache, HTTP API."""
+"""One inference instance below its front door: scheduler, radix cache, sampler, model runner, the rank processes and their single start-up path, the DP controller and relay, and the messages between processes."""
