@@ -1,1 +1,3 @@
-"""One inference instance below its front door: scheduler, radix cache, sampler, model runner, the rank processes and their single start-up path, the DP controller and relay, and the messages between processes."""
+"""One inference instance below its front door: the scheduler, radix cache, sampler and
+model runner, the rank processes and their one start-up path, the DP controller and relay,
+and the messages between processes."""
