@@ -23,9 +23,11 @@ import numpy as np
 from fleetserve.bench.client import RequestResult
 
 
-def _stats(values: list[float]) -> dict[str, float]:
+def _stats(values: list[float]) -> dict[str, float | None]:
+    """mean / p50 / p99 of ``values``; all None when nothing was measured (e.g. ITL and TPOT
+    of non-streamed requests, which have no token timings), printed as "n/a"."""
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+        return {"mean": None, "p50": None, "p99": None}
     a = np.asarray(values, dtype=np.float64)
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
@@ -38,7 +40,9 @@ def summarize(results: list[RequestResult], duration_s: float,
     cached = sum(r.cached_tokens for r in ok)
     out_tok = sum(r.completion_tokens for r in ok)
     dur = max(duration_s, 1e-9)
-    tpot = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
+    # TPOT needs the time of the first token, which only a stream gives (a request whose stream
+    # had a single chunk still has none of its own gaps, so its TPOT is left out like its ITL).
+    tpot = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1 and r.itl]
     per_worker: dict[str, dict] = {}
     source = "none"
     if ok and all(r.worker for r in ok):
@@ -122,6 +126,13 @@ def plot_png(summary: dict, results: list[RequestResult], path: str | Path) -> N
     plt.close(fig)
 
 
+def format_ms(s: dict[str, float | None]) -> str:
+    """``"mean / p50 / p99"`` in milliseconds, or ``"n/a"`` when not measured."""
+    if s["mean"] is None:
+        return "n/a"
+    return f"{s['mean'] * 1e3:.1f} / {s['p50'] * 1e3:.1f} / {s['p99'] * 1e3:.1f}"
+
+
 def print_table(summary: dict) -> None:
     """A rich table of the headline numbers and the per-worker breakdown."""
     from rich.console import Console
@@ -138,8 +149,7 @@ def print_table(summary: dict) -> None:
     t.add_row("cache hit rate", f"{summary['cache_hit_rate']:.1%}")
     for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("tpot_s", "TPOT"), ("e2e_latency_s", "E2E latency")):
         s = summary[key]
-        t.add_row(f"{label} mean / p50 / p99 (ms)",
-                  f"{s['mean'] * 1e3:.1f} / {s['p50'] * 1e3:.1f} / {s['p99'] * 1e3:.1f}")
+        t.add_row(f"{label} mean / p50 / p99 (ms)", format_ms(s))
     console = Console()
     console.print(t)
     if summary["per_worker"]:

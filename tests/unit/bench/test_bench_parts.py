@@ -64,3 +64,18 @@ def test_bench_rejects_impossible_load_settings(flags, capsys):
         main(["--base-url", "http://127.0.0.1:9", "--workload", "random", *flags])
     assert e.value.code == 2
     assert flags[0] in capsys.readouterr().err
+
+
+def test_non_streamed_requests_report_itl_and_tpot_as_not_measured(capsys):
+    """``--no-stream``: no token timings, so ITL and TPOT are n/a (they read 0.0 before)."""
+    from fleetserve.bench.report import print_table
+
+    rs = [RequestResult(rid=str(i), group="g", success=True, prompt_tokens=10, completion_tokens=8,
+                        ttft=0.5, latency=0.5) for i in range(4)]
+    s = summarize(rs, duration_s=1.0)
+    assert s["itl_s"] == {"mean": None, "p50": None, "p99": None}
+    assert s["tpot_s"] == {"mean": None, "p50": None, "p99": None}
+    assert s["ttft_s"]["mean"] == pytest.approx(0.5)
+    print_table(s)
+    out = capsys.readouterr().out
+    assert "ITL mean / p50 / p99 (ms)" in out and out.count("n/a") == 2
