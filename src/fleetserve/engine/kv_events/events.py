@@ -42,7 +42,7 @@ vLLM's block pool and SGLang's radix cache report their primary pool as
 tier that routers score apart (or ignore), which our pool is not.
 
 The bytes equal msgspec's for the same structs (pinned in
-``tests/unit/engine/kv_events/test_events_encoding.py``); we encode with
+``tests/unit/engine/test_kv_events_encoding.py``); we encode with
 ``msgpack`` and no msgspec.
 """
 
