@@ -106,9 +106,10 @@ class EngineMetrics:
         self._l(self.cache_hit_rate).set(total["cache_hit_rate"])
         for key, counter in (("kv_events_published", self.kv_events_published),
                              ("kv_events_dropped", self.kv_events_dropped)):
+            child = self._l(counter)  # shown (as 0) from the first stats on
             grew = total[key] - self._kv_events_seen[key]  # the schedulers count; the counter follows
             if grew > 0:
-                self._l(counter).inc(grew)
+                child.inc(grew)
                 self._kv_events_seen[key] = total[key]
         return total
 
