@@ -37,7 +37,8 @@ from fleetserve.engine.kv_events.replay import ReplayBuffer, seq_bytes, serve_re
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.01  # how often the idle thread looks at the replay socket and the stop flag
+POLL_S = 0.01  # how often an idle thread with a replay socket looks at it
+IDLE_S = 0.5  # how often an idle thread without one looks at the stop flag
 SHUTDOWN_S = 2.0
 
 
@@ -126,7 +127,10 @@ class KVEventPublisher:
         Never waits: with the queue full the batch is dropped and counted, and
         its sequence number is spent all the same.
         """
-        if not self._pending or self._closed:
+        if self._closed:
+            self._pending = []
+            return None
+        if not self._pending:
             return None
         events, self._pending = self._pending, []
         seq = self.next_seq
@@ -155,12 +159,13 @@ class KVEventPublisher:
             self._thread.start()
 
     def _run(self) -> None:
+        wait = POLL_S if self._replay is not None else IDLE_S
         try:
             while True:
                 if self._replay is not None and self._replay.poll(0):
                     serve_replay_request(self._replay, self._buffer)
                 try:
-                    item = self._queue.get(timeout=POLL_S)
+                    item = self._queue.get(timeout=wait)
                 except queue.Empty:
                     if self._stop.is_set():
                         return
