@@ -124,3 +124,21 @@ def test_sim_worker_refuses_bad_config(capsys):
     assert sim_worker.main(["--port", "0", "--kv-events-config", '{"publisher": "zmq", "topic": 1}']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["sim-worker: --kv-events-config: topic: must be a string, got 1"]
+
+
+def test_serve_cli_refuses_a_busy_kv_event_port_of_any_dp_rank(capsys):
+    base = free_port_block(2)
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.PUB)
+    holder.bind(f"tcp://*:{base + 1}")  # DP rank 1's port
+    try:
+        cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{base}"})
+        assert launch_server.main(["--port", "0", "--dp-size", "2", "--kv-events-config", cfg]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"fleetserve serve: --kv-events-config: endpoint 'tcp://*:{base + 1}': cannot bind "
+                       "(Address already in use)"]
+    finally:
+        holder.close(0)
+        ctx.term()
+    # free again: the check released DP rank 0's port (the ranks bind it next)
+    KVEventPublisher(parse_kv_events_config(cfg), 0, autostart=False).shutdown()

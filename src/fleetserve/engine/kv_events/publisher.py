@@ -106,7 +106,7 @@ class KVEventPublisher:
         except zmq.ZMQError as e:
             sock.close(0)
             verb = "bind" if bind else "connect"
-            raise ValueError(f"{FLAG}: {key} {endpoint!r}: cannot {verb} ({e.strerror})") from None
+            raise ValueError(f"{FLAG}: {key} {endpoint!r}: cannot {verb} ({zmq.strerror(e.errno)})") from None
         return sock
 
     # ------------------------------------------------------------------ sink
@@ -215,3 +215,16 @@ def make_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0,
     if config is None or not config.enabled:
         return None
     return KVEventPublisher(config, data_parallel_rank, port_offset)
+
+
+def check_endpoints(config: KVEventsConfig | None, dp_ranks) -> None:
+    """Open and close the sockets of each DP rank in ``dp_ranks`` (start-up check before the ranks start).
+
+    Raises:
+        ValueError: the one-line error :class:`KVEventPublisher` raises for the first
+            endpoint that cannot be bound or connected.
+    """
+    if config is None or not config.enabled:
+        return
+    for r in dp_ranks:
+        KVEventPublisher(config, r, autostart=False).shutdown()
