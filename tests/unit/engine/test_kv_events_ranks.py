@@ -125,3 +125,44 @@ def test_no_config_no_publisher_and_disabled_cache_reports_nothing():
         assert rank.scheduler.event_sink.next_seq == 0
     finally:
         rank.scheduler.event_sink.shutdown()
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def block_stored(self, block_hashes, parent_block_hash, token_ids, block_size):
+        self.calls.append(("stored", block_hashes, parent_block_hash, token_ids, block_size))
+
+    def block_removed(self, block_hashes):
+        self.calls.append(("removed", block_hashes))
+
+    def all_blocks_cleared(self):
+        self.calls.append(("cleared",))
+
+
+def test_radix_cache_sink_calls_follow_the_tree():
+    from fleetserve.engine.radix_cache import RadixCache
+
+    rec = _Recorder()
+    cache = RadixCache(32, event_sink=rec)
+    a = cache.allocator.alloc(4)
+    assert cache.insert([1, 2, 3, 4], a) == 0
+    b = cache.allocator.alloc(3)
+    assert cache.insert([1, 2, 9], b) == 2  # splits [1, 2 | 3, 4]; only [9] is new
+    cache.allocator.free(b[:2])
+    (_, h1, p1, t1, bs1), (_, h2, p2, t2, _) = rec.calls
+    assert (p1, t1, bs1, len(h1)) == (None, [1, 2, 3, 4], 1, 4) and len(set(h1)) == 4
+    assert (p2, t2, len(h2)) == (h1[1], [9], 1)  # the chain continues after token 2
+    # the same prefix gives the same hashes (a later insert after eviction re-reports them alike)
+    rec.calls.clear()
+    assert cache.evict(100) == 5
+    removed = [h for c in rec.calls for h in c[1]]
+    assert sorted(removed) == sorted(h1 + h2) and all(c[0] == "removed" for c in rec.calls)
+    rec.calls.clear()
+    c = cache.allocator.alloc(2)
+    cache.insert([1, 2], c)
+    assert rec.calls == [("stored", h1[:2], None, [1, 2], 1)]
+    cache.reset()
+    assert rec.calls[-1] == ("cleared",)
+    assert cache.allocator.available_size() == 32
