@@ -10,6 +10,9 @@ time. Usage reports ``prompt_tokens_details.cached_tokens`` like a real worker.
 One process can host many workers: ``--num-workers N`` opens ports
 ``--port .. --port + N - 1``, all on one event loop.
 
+With ``--kv-events-config`` each worker's radix cache publishes KV-cache events
+as an engine does (docs/kv_events.md), worker ``i`` on the endpoints' ports + ``i``.
+
 Worker identity: every response carries the header ``X-Fleetserve-Worker`` and
 a top-level ``"worker_id"`` field (in the usage chunk when streaming), so the
 bench can attribute hits to workers through any router.
