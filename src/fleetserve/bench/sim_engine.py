@@ -83,12 +83,16 @@ class SimEngine:
     Args:
         model: the timing model (and the capacities).
         name: worker identity reported in responses and stats.
+        event_sink: the radix cache's KV-event sink (``--kv-events-config``: a
+            :class:`~fleetserve.engine.kv_events.publisher.KVEventPublisher`); its
+            ``end_step()`` is called once per step and after a cache flush.
     """
 
-    def __init__(self, model: TimingModel, name: str = "sim"):
+    def __init__(self, model: TimingModel, name: str = "sim", event_sink=None):
         self.model = model
         self.name = name
-        self.cache = RadixCache(model.max_total_tokens)
+        self.event_sink = event_sink
+        self.cache = RadixCache(model.max_total_tokens, event_sink=event_sink)
         self.allocator = self.cache.allocator
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -110,6 +114,8 @@ class SimEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self.event_sink is not None and hasattr(self.event_sink, "shutdown"):
+            self.event_sink.shutdown()
 
     def submit(self, req: SimRequest) -> None:
         """Queue ``req``. Raises :class:`RequestTooLong` if it can never fit."""
@@ -131,7 +137,13 @@ class SimEngine:
         if self.waiting or self.running:
             return False
         self.cache.reset()
+        self._end_step()
         return True
+
+    def _end_step(self) -> None:
+        end = getattr(self.event_sink, "end_step", None)
+        if end is not None:
+            end()
 
     def load(self) -> dict:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
@@ -171,6 +183,7 @@ class SimEngine:
                 await asyncio.sleep(0.001)
                 continue
             self.stats["busy_time_s"] += dur
+            self._end_step()
 
     @staticmethod
     async def _sleep_until(loop: asyncio.AbstractEventLoop, deadline: float) -> None:

@@ -10,6 +10,9 @@ time. Usage reports ``prompt_tokens_details.cached_tokens`` like a real worker.
 One process can host many workers: ``--num-workers N`` opens ports
 ``--port .. --port + N - 1``, all on one event loop.
 
+With ``--kv-events-config`` each worker's radix cache publishes KV-cache events
+as an engine does (docs/kv_events.md), worker ``i`` on the endpoints' ports + ``i``.
+
 Worker identity: every response carries the header ``X-Fleetserve-Worker`` and
 a top-level ``"worker_id"`` field (in the usage chunk when streaming), so the
 bench can attribute hits to workers through any router.
@@ -31,6 +34,8 @@ from aiohttp import web
 from fleetserve.bench import timing_model
 from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
 from fleetserve.bench.sim_tokenizer import make_tokenizer
+from fleetserve.engine.kv_events.config import parse_kv_events_config
+from fleetserve.engine.kv_events.publisher import make_publisher
 from fleetserve.entrypoints.ports import port_range_error
 
 WORKER_HEADER = "X-Fleetserve-Worker"
@@ -104,6 +109,11 @@ class SimWorker:
             lines += [f"# TYPE fleetserve:{key}_total {kind}", f'fleetserve:{key}_total{{worker="{w}"}} {s[key]}']
         for key in ("num_running_reqs", "num_waiting_reqs", "cache_tokens"):
             lines += [f"# TYPE fleetserve:{key} gauge", f'fleetserve:{key}{{worker="{w}"}} {ld[key]}']
+        ev = self.engine.event_sink
+        if ev is not None:  # KV-event batches (--kv-events-config), as the engine's /metrics names them
+            for key in ("published", "dropped"):
+                lines += [f"# TYPE fleetserve:kv_events_{key}_total counter",
+                          f'fleetserve:kv_events_{key}_total{{worker="{w}"}} {getattr(ev, key)}']
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def flush_cache(self, _req: web.Request) -> web.Response:
@@ -294,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="decode steps between streamed chunks (SGLang's --stream-interval); the first token is "
                         "always sent at once")
+    p.add_argument("--kv-events-config", default=None,
+                   help="publish KV-cache events as vLLM/SGLang do (JSON, see docs/kv_events.md); worker i "
+                        "uses the endpoint ports + i, data_parallel_rank 0 (each worker is its own instance)")
     timing_model.add_arguments(p)
     return p
 
@@ -303,12 +316,13 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
     """Run ``args.num_workers`` workers until ``stop`` is set (or forever)."""
     model = timing_model.from_args(args)
     tok = make_tokenizer(args.tokenizer)
+    kv_events = parse_kv_events_config(getattr(args, "kv_events_config", None))
     runners: list[web.AppRunner] = []
     engines: list[SimEngine] = []
     for i in range(args.num_workers):
         port = args.port + i
         url = f"http://{args.host}:{port}"
-        eng = SimEngine(model, name=f"{args.host}:{port}")
+        eng = SimEngine(model, name=f"{args.host}:{port}", event_sink=make_publisher(kv_events, 0, port_offset=i))
         eng.start()
         worker = SimWorker(eng, tok, args.model_name, args.stream_interval, url)
         runner = web.AppRunner(worker.app, access_log=None, shutdown_timeout=2.0)
@@ -344,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_workers < 1 or args.stream_interval < 1:
         print("--num-workers and --stream-interval must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        parse_kv_events_config(args.kv_events_config)
+    except ValueError as e:
+        print(f"sim-worker: {e}", file=sys.stderr)
         return 2
     bad = port_range_error("--port", args.port, args.num_workers, allow_zero=True)
     if bad:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetserve.distributed.groups import MOE_A2A_BACKENDS
+from fleetserve.engine.kv_events.config import offset_endpoint, parse_kv_events_config
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -75,6 +76,9 @@ class ServerArgs:
             of an instance, built from the same pickled args, samples alike.
         log_level: Python logging level name.
         skip_tokenizer_init: take and return token ids only.
+        kv_events_config: JSON of vLLM's / SGLang's ``--kv-events-config`` (publish
+            KV-cache events over ZMQ; see :mod:`fleetserve.engine.kv_events.config`);
+            ``None``: no events.
     """
 
     model_path: str | None = None
@@ -115,6 +119,7 @@ class ServerArgs:
 
     random_seed: int | None = None
     log_level: str = "info"
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.random_seed is None:
@@ -162,6 +167,11 @@ class ServerArgs:
                     f"--enable-dp-attention needs --tp-size ({self.tp_size}) divisible by --dp-size ({self.dp_size})")
         if self.tp_size % self.ep_size != 0:
             raise ValueError(f"--tp-size ({self.tp_size}) must be divisible by --ep-size ({self.ep_size})")
+        kv_events = parse_kv_events_config(self.kv_events_config)  # raises "--kv-events-config: <key>: ..."
+        if kv_events is not None:  # every DP rank's port must exist
+            for ep in (kv_events.endpoint, kv_events.replay_endpoint):
+                if ep is not None:
+                    offset_endpoint(ep, self.dp_size - 1)
 
     # ------------------------------------------------------------ derived values
     @property
@@ -243,6 +253,9 @@ class ServerArgs:
         g = parser.add_argument_group("misc")
         g.add_argument("--random-seed", type=int, default=default("random_seed"))
         g.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS)
+        g.add_argument("--kv-events-config", default=default("kv_events_config"),
+                       help='JSON as vLLM/SGLang, e.g. \'{"publisher": "zmq", "endpoint": "tcp://*:5557"}\': '
+                            "publish KV-cache events over ZMQ (docs/kv_events.md)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

@@ -118,4 +118,6 @@ class SchedulerStats:
     generation_tokens_total: int = 0
     cached_prompt_tokens_total: int = 0
     kv_bytes_per_token: int = 0
+    kv_events_published: int = 0  # KV-event batches sent (--kv-events-config), since start
+    kv_events_dropped: int = 0  # KV-event batches dropped on a full queue, since start
     dp_rank: int = 0

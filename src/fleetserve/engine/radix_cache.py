@@ -34,6 +34,7 @@ Efficient Execution of Structured Language Model Programs"); the code is our own
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from collections.abc import Iterable, Sequence
@@ -41,6 +42,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from fleetserve.core.kv_pool import TokenSlotAllocator
+from fleetserve.engine.kv_event_sink import KVEventSink
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 
@@ -55,9 +57,10 @@ class TreeNode:
         parent: ``None`` only at the root.
         lock_ref: how many running requests protect this node (and its ancestors).
         last_access: logical clock of the last match/insert touching it (LRU order).
+        hashes: one page hash per token of ``key`` when the cache has an event sink, else ``None``.
     """
 
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "hashes")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: "TreeNode | None", last_access: int):
         self.key = key
@@ -66,6 +69,7 @@ class TreeNode:
         self.parent = parent
         self.lock_ref = 0
         self.last_access = last_access
+        self.hashes: list[int] | None = None
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap order for eviction
         return self.last_access < other.last_access
@@ -97,15 +101,19 @@ class RadixCache:
             it), or an ``int`` pool size to make a private allocator (useful
             without a model, e.g. in a simulated worker).
         disable: store nothing (``--disable-radix-cache``).
+        event_sink: told about pages entering and leaving the tree
+            (:class:`~fleetserve.engine.kv_event_sink.KVEventSink`); ``None``: no events.
 
     Sizes are in tokens (= KV slots).
     """
 
-    def __init__(self, allocator: TokenSlotAllocator | int, disable: bool = False):
+    def __init__(self, allocator: TokenSlotAllocator | int, disable: bool = False,
+                 event_sink: KVEventSink | None = None):
         if isinstance(allocator, int):
             allocator = TokenSlotAllocator(allocator)
         self.allocator = allocator
         self.disable = disable
+        self.event_sink = None if disable else event_sink
         self._clock = itertools.count(1)
         self.reset_tree()
 
@@ -129,6 +137,8 @@ class RadixCache:
         if slots.numel():
             self.allocator.free(slots)
         self.reset_tree()
+        if self.event_sink is not None:
+            self.event_sink.all_blocks_cleared()
 
     def evictable_size(self) -> int:
         """Cached tokens no running request protects (can be evicted)."""
@@ -195,6 +205,8 @@ class RadixCache:
         """Split ``child`` after its first ``k`` tokens; return the new upper node."""
         upper = TreeNode(child.key[:k], child.value[:k], child.parent, child.last_access)
         upper.lock_ref = child.lock_ref
+        if child.hashes is not None:
+            upper.hashes, child.hashes = child.hashes[:k], child.hashes[k:]
         upper.children = {child.key[k]: child}
         child.parent.children[child.key[0]] = upper
         child.parent = upper
@@ -230,6 +242,8 @@ class RadixCache:
                 new = TreeNode(token_ids[pos:], slots[pos:].clone(), node, now)
                 node.children[token_ids[pos]] = new
                 self._evictable += len(new.key)
+                if self.event_sink is not None:
+                    self._report_stored(new)
                 return pos
             k = _common_len(token_ids, pos, child.key)
             if k < len(child.key):
@@ -285,6 +299,8 @@ class RadixCache:
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
             self.allocator.free(leaf.value)
+            if self.event_sink is not None and leaf.hashes:
+                self.event_sink.block_removed(list(leaf.hashes))
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             parent = leaf.parent
@@ -292,6 +308,27 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
+
+    # ------------------------------------------------------------------ events
+    def _report_stored(self, node: TreeNode) -> None:
+        """Give ``node`` its page hashes (page size 1: one per token) and report them as stored.
+
+        TODO(pagesize): placeholder chain hash, to be replaced by the page hash of
+        the --page-size work (SGLang's). Here each token is a page and its hash is
+        the first 63 bits of blake2b(parent hash, token id), the parent of the
+        first token being the last hash of the parent node (none at the root).
+        """
+        parent = node.parent
+        parent_hash = parent.hashes[-1] if parent is not self.root and parent.hashes else None
+        h = parent_hash
+        hashes = []
+        for t in node.key:
+            prev = b"" if h is None else h.to_bytes(8, "big")
+            h = int.from_bytes(hashlib.blake2b(prev + int(t).to_bytes(8, "big", signed=True),
+                                               digest_size=8).digest(), "big") >> 1
+            hashes.append(h)
+        node.hashes = hashes
+        self.event_sink.block_stored(list(hashes), parent_hash, list(node.key), 1)
 
     # ----------------------------------------------------------------- display
     def pretty(self) -> str:

@@ -19,6 +19,8 @@ from fleetserve.distributed.dp_attention import dp_schedule_rule
 from fleetserve.distributed.parallel_state import ParallelState
 from fleetserve.engine.args import ServerArgs
 from fleetserve.engine.dp_attention_hook import dp_attention_hook
+from fleetserve.engine.kv_events.config import parse_kv_events_config
+from fleetserve.engine.kv_events.publisher import make_publisher
 from fleetserve.engine.model_runner import ModelRunner
 from fleetserve.engine.rank_io import RankEndpoints, connect_rank_io
 from fleetserve.engine.scheduler import Scheduler
@@ -75,16 +77,25 @@ def build_rank(args: ServerArgs, pstate: ParallelState, *, replica: int = 0, run
 
     Raises:
         Whatever loading the model raises (``FileNotFoundError``, ``ValueError`` ...);
-        ``zmq.ZMQError`` for endpoints zmq cannot connect to.
+        ``zmq.ZMQError`` for endpoints zmq cannot connect to; ``ValueError``
+        (``--kv-events-config: endpoint ...``) when the KV-event socket cannot be opened.
     """
     cons, chunk = dp_schedule_rule(args.schedule_conservativeness, args.chunked_prefill_size, pstate.attn_dp_size)
     args = dataclasses.replace(args, schedule_conservativeness=cons, chunked_prefill_size=chunk)
-    if runner is None:
-        runner = make_model_runner(args, pstate)
-    hook = dp_attention_hook(pstate, args.device) if pstate.attn_dp_size > 1 else None
-    scheduler = Scheduler(args, runner, dp_hook=hook)
     dp_rank = pstate.attn_dp_rank if pstate.attn_dp_size > 1 else replica
     leader = pstate.attn_tp_rank == 0
+    # KV events: one publisher per DP rank, on its attention group's leader (the group's
+    # ranks hold identical caches); opened before the model loads so a busy port fails fast.
+    events = make_publisher(parse_kv_events_config(args.kv_events_config), dp_rank) if leader else None
+    try:
+        if runner is None:
+            runner = make_model_runner(args, pstate)
+        hook = dp_attention_hook(pstate, args.device) if pstate.attn_dp_size > 1 else None
+        scheduler = Scheduler(args, runner, dp_hook=hook, event_sink=events)
+    except BaseException:
+        if events is not None:
+            events.shutdown()
+        raise
     rank = Rank(args, pstate, runner, scheduler, hook, dp_rank, leader)
     if endpoints is not None:
         recv, send = connect_rank_io(endpoints, dp_rank, leader)

@@ -73,17 +73,20 @@ class Scheduler:
             ``max_context_len`` and ``eos_token_ids``.
         dp_hook: see the module docstring.
         check_invariants: run :func:`check_kv_invariant` after every step (tests).
+        event_sink: receives the radix cache's KV events; when it has ``end_step()``
+            (the KV-event publisher) that is called once per step and after a cache flush.
     """
 
     def __init__(self, server_args: ServerArgs, model_runner: Any, dp_hook: DpHook | None = None,
-                 check_invariants: bool = False):
+                 check_invariants: bool = False, event_sink: Any = None):
         self.args = server_args
         self.runner = model_runner
         self.dp_hook = dp_hook
         self.check_invariants = check_invariants
         self.allocator = model_runner.allocator
         self.pool_size = self.allocator.size
-        self.cache = RadixCache(self.allocator, disable=server_args.disable_radix_cache)
+        self.cache = RadixCache(self.allocator, disable=server_args.disable_radix_cache, event_sink=event_sink)
+        self.event_sink = event_sink
         self.sampler = Sampler(server_args.random_seed)
         self.vocab_size = int(model_runner.vocab_size)
         self.max_context_len = int(server_args.context_length or model_runner.max_context_len)
@@ -150,6 +153,7 @@ class Scheduler:
         if self.has_work():
             return False
         self.cache.reset()
+        self._end_step_events()
         return True
 
     def has_work(self) -> bool:
@@ -167,6 +171,8 @@ class Scheduler:
             generation_tokens_total=self.generation_tokens_total,
             cached_prompt_tokens_total=self.cached_prompt_tokens_total,
             kv_bytes_per_token=int(getattr(getattr(self.runner, "kv_pool", None), "bytes_per_token", 0) or 0),
+            kv_events_published=int(getattr(self.event_sink, "published", 0)),
+            kv_events_dropped=int(getattr(self.event_sink, "dropped", 0)),
         )
 
     # ==================================================================== step
@@ -184,9 +190,16 @@ class Scheduler:
         if self._pending_outputs:
             outputs = self._pending_outputs + outputs
             self._pending_outputs = []
+        self._end_step_events()
         if self.check_invariants:
             self.check_kv()
         return outputs
+
+    def _end_step_events(self) -> None:
+        """Hand this step's KV events to the publisher as one batch (it never waits)."""
+        end = getattr(self.event_sink, "end_step", None)
+        if end is not None:
+            end()
 
     def get_next_batch(self) -> ScheduleBatch | None:
         """EXTEND if any waiting request (or the chunked one) can be admitted, else DECODE, else None."""

@@ -136,7 +136,10 @@ class Engine:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:
-        """Nothing to stop (in-process); present for SGLang API compatibility."""
+        """Stop the KV-event publisher if ``kv_events_config`` started one (else nothing to stop)."""
+        close = getattr(self.scheduler.event_sink, "shutdown", None)
+        if close is not None:
+            close()
 
     # --------------------------------------------------------------- helpers
     def _run(self, reqs: list[TokenizedGenerateReq]) -> dict[str, dict[str, Any]]:

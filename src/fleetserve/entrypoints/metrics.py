@@ -10,6 +10,9 @@ Names follow SGLang's ``sglang:*`` metrics with our prefix:
 * counters (counted in the HTTP process as requests finish):
   ``fleetserve:prompt_tokens_total``, ``fleetserve:generation_tokens_total``,
   ``fleetserve:cached_tokens_total``, ``fleetserve:num_requests_total``;
+* counters of KV-cache event batches (``--kv-events-config``), from the
+  schedulers' stats summed over DP ranks: ``fleetserve:kv_events_published_total``,
+  ``fleetserve:kv_events_dropped_total`` (lost to a full publisher queue);
 * histograms (seconds): ``fleetserve:time_to_first_token_seconds`` (TTFT),
   ``fleetserve:inter_token_latency_seconds`` (ITL, one observation per token
   after the first, spread evenly over a message that carried several tokens),
@@ -57,6 +60,11 @@ class EngineMetrics:
         self.generation_tokens = Counter("fleetserve:generation_tokens", "Generated tokens", lab, registry=r)
         self.cached_tokens = Counter("fleetserve:cached_tokens", "Prompt tokens served from the radix cache", lab, registry=r)
         self.num_requests = Counter("fleetserve:num_requests", "Finished requests", lab, registry=r)
+        self.kv_events_published = Counter("fleetserve:kv_events_published", "KV-event batches published",
+                                           lab, registry=r)
+        self.kv_events_dropped = Counter("fleetserve:kv_events_dropped",
+                                         "KV-event batches dropped on a full publisher queue", lab, registry=r)
+        self._kv_events_seen = {"kv_events_published": 0, "kv_events_dropped": 0}
         self.ttft = Histogram(
             "fleetserve:time_to_first_token_seconds", "Time to first token (TTFT)", lab, buckets=TTFT_BUCKETS, registry=r
         )
@@ -82,6 +90,8 @@ class EngineMetrics:
             "prompt_tokens_total": sum(s.prompt_tokens_total for s in stats),
             "generation_tokens_total": sum(s.generation_tokens_total for s in stats),
             "cached_prompt_tokens_total": sum(s.cached_prompt_tokens_total for s in stats),
+            "kv_events_published": sum(getattr(s, "kv_events_published", 0) for s in stats),
+            "kv_events_dropped": sum(getattr(s, "kv_events_dropped", 0) for s in stats),
         }
         total["token_usage"] = total["kv_used_tokens"] / total["kv_pool_size"] if total["kv_pool_size"] else 0.0
         total["cache_hit_rate"] = (
@@ -94,6 +104,13 @@ class EngineMetrics:
         self._l(self.kv_cached).set(total["kv_cached_tokens"])
         self._l(self.token_usage).set(total["token_usage"])
         self._l(self.cache_hit_rate).set(total["cache_hit_rate"])
+        for key, counter in (("kv_events_published", self.kv_events_published),
+                             ("kv_events_dropped", self.kv_events_dropped)):
+            child = self._l(counter)  # shown (as 0) from the first stats on
+            grew = total[key] - self._kv_events_seen[key]  # the schedulers count; the counter follows
+            if grew > 0:
+                child.inc(grew)
+                self._kv_events_seen[key] = total[key]
         return total
 
     def observe_first_token(self, seconds: float) -> None:

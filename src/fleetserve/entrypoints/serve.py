@@ -135,6 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleetserve serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.kv_events_config and args.nnodes == 1:  # a busy KV-event port fails now, not in a rank
+        from fleetserve.engine.kv_events.config import parse_kv_events_config
+        from fleetserve.engine.kv_events.publisher import check_endpoints
+
+        try:
+            check_endpoints(parse_kv_events_config(args.kv_events_config), range(args.dp_size))
+        except ValueError as e:
+            print(f"fleetserve serve: {e}", file=sys.stderr)
+            return 1
     if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP
         from fleetserve.engine.rank_launch import run_worker_node
 

@@ -45,3 +45,22 @@ def test_counters_and_histograms():
     assert s["fleetserve:inter_token_latency_seconds_count"] == 4
     assert s["fleetserve:inter_token_latency_seconds_bucket[le=0.005]"] == 4
     assert s["fleetserve:inter_token_latency_seconds_bucket[le=0.0025]"] == 0
+
+
+def test_kv_event_counters_follow_the_schedulers_totals():
+    from fleetserve.engine.io_struct import SchedulerStats
+    from fleetserve.entrypoints.metrics import EngineMetrics
+
+    m = EngineMetrics("m")
+    m.set_stats([SchedulerStats(dp_rank=0), SchedulerStats(dp_rank=1)])
+    text = m.render().decode()
+    assert 'fleetserve:kv_events_published_total{model_name="m"} 0.0' in text
+    assert 'fleetserve:kv_events_dropped_total{model_name="m"} 0.0' in text
+    m.set_stats([SchedulerStats(kv_events_published=5, kv_events_dropped=1),
+                 SchedulerStats(kv_events_published=7, dp_rank=1)])
+    m.set_stats([SchedulerStats(kv_events_published=5, kv_events_dropped=1)])  # rank 1 late: no decrease
+    m.set_stats([SchedulerStats(kv_events_published=6, kv_events_dropped=1),
+                 SchedulerStats(kv_events_published=7, dp_rank=1)])
+    text = m.render().decode()
+    assert 'fleetserve:kv_events_published_total{model_name="m"} 13.0' in text
+    assert 'fleetserve:kv_events_dropped_total{model_name="m"} 1.0' in text
