@@ -9,7 +9,7 @@ Families (prefix ``fleetserve_router_``):
 
 * ``requests_total{worker}``: upstream attempts sent to each worker.
 * ``failures_total{worker}``: attempts that failed by the worker's fault
-  (connection error, timeout, 5xx).
+  (connection error, timeout, 5xx other than a busy 503).
 * ``retries_total``: attempts after the first.
 * ``inflight_requests{worker}``: the load used for routing.
 * ``worker_healthy{worker}``: 1 healthy, 0 not.

@@ -9,11 +9,15 @@ object, 503 no available worker, 502 / 504 every attempt failed (or timed out)
 without a worker response.  (413 for a body over ``--max-payload-size`` is
 answered by the server before a handler runs.)
 
-Retries: a connection error, a timeout or a 5xx answer is retried on another
-worker (when there is one) after an exponential backoff with jitter, up to
-``--retry-max-retries`` attempts -- only while nothing has been sent to the
-client.  Once a streamed response has started, a failure ends the stream.
-A 4xx answer passes through unchanged and counts as a worker success.
+Retries: a connection error, a timeout or a 5xx answer other than 503 is
+retried on another worker (when there is one) after an exponential backoff
+with jitter, up to ``--retry-max-retries`` attempts -- only while nothing has
+been sent to the client.  A stream is held back until its first piece of body
+arrives, so a worker that fails before its first event is retried too; once a
+streamed response has started, a failure ends the stream with an error event.
+A 429 or 503 answer is back-pressure: retried at once on a worker not asked
+yet, else passed to the client unchanged, and never a circuit-breaker failure.
+Any other 4xx answer passes through unchanged and counts as a worker success.
 """
 
 from __future__ import annotations
@@ -81,6 +85,23 @@ class _Retry:
         self.response = response
 
 
+class _Busy(_Retry):
+    """The worker answered 429 or 503: busy, not broken.  ``response`` is its answer, unchanged."""
+
+    __slots__ = ()
+
+
+# a worker's "busy, come back later" answers: back-pressure, not failure (see docs/router.md, "Busy workers")
+BUSY_STATUSES = frozenset({429, 503})
+
+
+def _upstream_error(e: UpstreamError, message: str) -> dict:
+    """The OpenAI-style error body for a failed exchange: ``upstream_timeout`` for a timeout, else ``upstream_error``."""
+    if isinstance(e, UpstreamTimeoutError):
+        return error_body(message, "gateway_timeout", code="upstream_timeout")
+    return error_body(message, "bad_gateway", code="upstream_error")
+
+
 async def handle_inference(router: Router, request: Request) -> Response | None:
     """Parse, route and proxy one inference request (the server already enforced the size limit)."""
     try:
@@ -125,12 +146,19 @@ async def _forward(router: Router, request: Request, path: str, text: str, strea
                                   code="no_healthy_worker")
             return failure
         result = await _attempt(router, request, worker, path, headers, stream)
-        if type(result) is not _Retry:
+        kind = type(result)
+        if kind is not _Retry and kind is not _Busy:
             return result
         tried.append(worker)
         failure = result.response
         if attempt >= router.max_attempts:
             return failure
+        if kind is _Busy:
+            # busy: another worker that has not been asked yet takes it at once; none -> the answer as is
+            if not any(w not in tried for w in router.registry.available()):
+                return failure
+            stats.retries += 1
+            continue
         stats.retries += 1
         await asyncio.sleep(backoff_delay_s(attempt, cfg.retry_initial_backoff_ms, cfg.retry_max_backoff_ms,
                                             cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
@@ -149,6 +177,11 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
         try:
             resp = await router.pool.post(worker.url, path, request.body, headers)
             status = resp.status
+            if status in BUSY_STATUSES:
+                # not a failure: the circuit breaker is left as it is, so the worker gets traffic again
+                # the moment it has room; the answer (status, body, Retry-After) is kept for the client
+                data = await resp.read()
+                return _Busy(Response(status, data, resp.headers.get("content-type", _JSON), _forwarded_headers(resp)))
             if status >= 500:
                 data = await resp.read()
                 _fail(worker)
@@ -158,14 +191,15 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
                 data = await resp.read()
                 worker.breaker.record_success()
                 return Response(status, data, resp.headers.get("content-type", _JSON), _forwarded_headers(resp))
+            # a stream: nothing goes to the client before the first piece of body has arrived,
+            # so a worker that fails before its first event is still retried elsewhere
+            first = await resp.next_chunk()
         except UpstreamError as e:
             _fail(worker)
-            status, kind, code = ((504, "gateway_timeout", "upstream_timeout") if isinstance(e, UpstreamTimeoutError)
-                                  else (502, "bad_gateway", "upstream_error"))
-            return _Retry(json_error(status, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
-                                     kind, code=code))
+            err = _upstream_error(e, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}")
+            return _Retry(Response(504 if isinstance(e, UpstreamTimeoutError) else 502, orjson.dumps(err)))
         # streaming: from here on bytes reach the client, so no retry
-        await _stream(request, worker, resp)
+        await _stream(request, worker, resp, first)
         return None
     finally:
         worker.load -= 1
@@ -173,8 +207,8 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             resp.release()
 
 
-async def _stream(request: Request, worker: Worker, resp: UpstreamResponse) -> None:
-    """Pass a streamed answer through chunk by chunk, as each arrives."""
+async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes) -> None:
+    """Pass a streamed answer through chunk by chunk, as each arrives (``chunk``: the first piece, b'' if none)."""
     try:
         extra = _forwarded_headers(resp)
         if "cache-control" not in resp.headers:
@@ -182,17 +216,15 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse) -> N
         request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"), extra)
         tail = b"\n\n"  # the last two bytes sent: is an event open?
         try:
-            while True:
-                chunk = await resp.next_chunk()
-                if not chunk:
-                    break
+            while chunk:
                 await request.write(chunk)
                 tail = (tail + chunk)[-2:]
+                chunk = await resp.next_chunk()
         except UpstreamError as e:
             # bytes already reached the client, so no retry: close off any half event and
             # end with an OpenAI-style error event (and no [DONE]) rather than a silent cut
             _fail(worker)
-            err = error_body(f"worker {worker.url} failed mid-stream: {e}", "bad_gateway", code="upstream_error")
+            err = _upstream_error(e, f"worker {worker.url} failed mid-stream: {type(e).__name__}: {e}")
             await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err) + b"\n\n")
             request.end_stream()
             return
