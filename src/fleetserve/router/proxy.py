@@ -115,13 +115,20 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
     path = request.path
     router.handling += 1
     try:
-        return await _forward(router, request, path, routing_text(path, body), body.get("stream") is True)
+        sessions = router.sessions
+        key = sessions.key(request.headers, body) if sessions is not None else None
+        return await _forward(router, request, path, routing_text(path, body), body.get("stream") is True, key)
     finally:
         router.handling -= 1
 
 
-async def _forward(router: Router, request: Request, path: str, text: str, stream: bool) -> Response | None:
-    """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet."""
+async def _forward(router: Router, request: Request, path: str, text: str, stream: bool,
+                   key: str | None = None) -> Response | None:
+    """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet.
+
+    ``key``: the session key (``--sticky-sessions``): its worker goes first when it can take the
+    request (see :mod:`.sessions`), and the session follows the worker each attempt goes to.
+    """
     cfg = router.cfg
     stats = router.stats
     policy = router.policy
@@ -137,7 +144,13 @@ async def _forward(router: Router, request: Request, path: str, text: str, strea
             fresh = [w for w in workers if w not in tried]
             if fresh:
                 workers = fresh
-        worker = policy.select(workers, text, retry=bool(tried))
+        worker = None
+        if key is not None and not tried:
+            worker = router.sessions.select(key, workers, text, policy)
+        if worker is None:
+            worker = policy.select(workers, text, retry=bool(tried))
+        if key is not None and worker is not None:
+            router.sessions.remember(key, worker.url)
         stats.observe_decision(time.perf_counter() - t0)
         if worker is None:
             stats.no_worker += 1
