@@ -145,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
                    help="cache_aware: route to the matching worker if matched/len(text) exceeds this")
     g.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
-                   help="cache_aware: leave the matching worker if its load - min_load exceeds this (and the relative test holds)")
+                   help="cache_aware: leave the matching worker if its load - min_load exceeds this "
+                        "(and the relative test holds)")
     g.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
-                   help="cache_aware: leave the matching worker if its load > min_load * this (and the absolute test holds)")
+                   help="cache_aware: leave the matching worker if its load > min_load * this "
+                        "(and the absolute test holds)")
     g.add_argument("--eviction-interval-secs", type=float, default=d.eviction_interval_secs,
                    help="cache_aware: seconds between tree evictions")
     g.add_argument("--max-tree-size", type=int, default=d.max_tree_size,

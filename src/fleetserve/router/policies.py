@@ -129,8 +129,8 @@ class CacheAwarePolicy:
     requests off their cache); steps 1 and 2 pick among them, and step 1 takes
     the candidate with the longest match (ties: least loaded, then first).  A hot
     prefix then spills to a second worker as soon as its owner is ``c`` times busier
-    than the average, instead of waiting for the absolute gap; ``balanced`` counts requests whose best-matching worker was
-    over the bound.
+    than the average, instead of waiting for the absolute gap; ``balanced`` counts
+    requests whose best-matching worker was over the bound.
     """
 
     name = "cache_aware"

@@ -96,7 +96,7 @@ BUSY_STATUSES = frozenset({429, 503})
 
 
 def _upstream_error(e: UpstreamError, message: str) -> dict:
-    """The OpenAI-style error body for a failed exchange: ``upstream_timeout`` for a timeout, else ``upstream_error``."""
+    """The OpenAI-style error body of a failed exchange: code ``upstream_timeout`` (a timeout) or ``upstream_error``."""
     if isinstance(e, UpstreamTimeoutError):
         return error_body(message, "gateway_timeout", code="upstream_timeout")
     return error_body(message, "bad_gateway", code="upstream_error")

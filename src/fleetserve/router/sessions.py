@@ -35,8 +35,8 @@ from .workers import Worker
 DEFAULT_ROUTING_KEY_HEADERS = ("x-smg-routing-key",)  # smg's default
 MAX_KEY_BYTES = 128  # smg's limit on a routing key
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header field name (RFC 9110 5.1: a token)
-_RETRY_SUFFIX = re.compile(r"_r[0-9]+$")
-_TURN_SUFFIX = re.compile(r"_t[0-9]+$")
+_RETRY_SUFFIX = re.compile(r"_r[0-9]+\Z")
+_TURN_SUFFIX = re.compile(r"_t[0-9]+\Z")
 _USER = "\x00user:"  # user-field keys live apart from header keys (a header value cannot hold NUL)
 
 
@@ -48,7 +48,7 @@ def check_header_name(name: str) -> str:
 
 
 def strip_lineage(key: str) -> str:
-    """Drop one trailing ``_r<digits>``, then one ``_t<digits>`` (smg's lineage rule); the whole key if none would be left."""
+    """Drop one trailing ``_r<digits>``, then one ``_t<digits>`` (smg's rule); all of ``key`` if nothing is left."""
     base = _TURN_SUFFIX.sub("", _RETRY_SUFFIX.sub("", key, count=1), count=1)
     return base or key
 

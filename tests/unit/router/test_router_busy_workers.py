@@ -52,7 +52,8 @@ async def test_busy_answer_with_no_other_worker_reaches_the_client_unchanged(sta
     busy, _ = workers
     async with aiohttp.ClientSession() as s, InProcessRouter(worker_urls=[busy.url]) as r:
         arm_busy(busy, status)
-        async with s.post(r.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}) as resp:
+        chat = {"messages": [{"role": "user", "content": "x"}]}
+        async with s.post(r.url + "/v1/chat/completions", json=chat) as resp:
             assert resp.status == status
             assert await resp.read() == BUSY_BODY[status]
             assert resp.headers["Retry-After"] == "7"
