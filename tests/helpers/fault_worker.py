@@ -28,6 +28,8 @@ fault                         what the worker does
 ``keepalive_reset``           on a *reused* keep-alive connection: resets when the next
                               request arrives (a fresh connection is answered normally)
 ``close_idle``                answers normally (keep-alive), then closes the connection
+``eof_body``                  answers without Content-Length or chunking: the body ends where the
+                              connection does (FIN), which is a complete answer (RFC 9112 6.3)
 ``status``                    answers ``params["status"]`` with ``params["body"]`` (bytes)
                               and ``params["headers"]`` (pairs), keep-alive
 ============================  ==========================================================
@@ -50,7 +52,7 @@ import httptools
 FAULTS = ("reset_on_accept", "reset_mid_request", "reset_before_status", "close_before_status",
           "reset_mid_headers", "garbage", "reset_mid_body", "close_mid_body", "stall_before_status",
           "stall_mid_body", "reset_before_first_event", "reset_mid_stream", "close_mid_stream",
-          "stall_mid_stream", "keepalive_reset", "close_idle", "status")
+          "stall_mid_stream", "keepalive_reset", "close_idle", "eof_body", "status")
 _ON_ACCEPT = ("reset_on_accept", "reset_mid_request")
 _GAP_S = 0.05  # between bytes sent and the reset, so the bytes reach the router before the RST
 
@@ -216,6 +218,11 @@ class _Conn(asyncio.Protocol):
     def _f_close_idle(self, stream):
         self._answer(stream)
         self._after(_GAP_S, self.transport.close)
+
+    def _f_eof_body(self, stream):
+        body = json.dumps({"worker": self.w.name, "text": "ok, until the end of the connection"}).encode()
+        self._write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n" + body)
+        self.transport.close()
 
     def _f_status(self, stream):
         p = self.w.params

@@ -47,6 +47,7 @@ CASES = {
     "reset_mid_stream/no-stream": (False, ("status", 502, "upstream_error")),
     "keepalive_reset": (False, ("ok",)),
     "close_idle": (False, ("ok",)),
+    "eof_body": (False, ("ok",)),  # not a fault: a body delimited by the connection's end is complete
 }
 
 
@@ -107,7 +108,7 @@ async def scenario(InProcessRouter, fault_key: str, single: bool) -> None:
             if fault == "refuse":
                 await bad.refuse()
             else:
-                bad.arm(fault, times=1 if fault in ("keepalive_reset", "close_idle") else 100)
+                bad.arm(fault, times=1 if fault in ("keepalive_reset", "close_idle", "eof_body") else 100)
             r.router.policy._next = 0  # round robin: the first attempt goes to the bad worker
             async with s.post(r.url + "/generate", json=body_for(fault, stream)) as resp:
                 status, ctype, raw = resp.status, resp.headers.get("Content-Type", ""), await resp.read()
@@ -120,7 +121,9 @@ async def scenario(InProcessRouter, fault_key: str, single: bool) -> None:
                     assert evs[-1] == "[DONE]" and len(evs) == 4, evs
                 else:
                     assert json.loads(raw)["worker"] in ("bad", "good")
-                    if not single and fault not in ("keepalive_reset", "close_idle"):
+                    if fault == "eof_body":
+                        assert json.loads(raw) == {"worker": "bad", "text": "ok, until the end of the connection"}
+                    if not single and fault not in ("keepalive_reset", "close_idle", "eof_body"):
                         assert json.loads(raw)["worker"] == "good"
                         assert r.router.stats.retries >= 1
             elif expect[0] == "status":
