@@ -145,6 +145,8 @@ async def handle_remove_worker(router: Router, request: Request) -> Response:
         return json_error(404, f"worker {raw} is not registered", "not_found_error", param="url",
                           code="worker_not_found")
     router.policy.on_worker_removed(worker.url)
+    if router.sessions is not None:
+        router.sessions.forget_worker(worker.url)
     router.pool.forget(worker.url)
     log.info("removed worker %s (%d requests still in flight)", worker.url, worker.load)
     return Response(200, orjson.dumps({"success": True, "message": f"removed worker {worker.url}"}))

@@ -23,6 +23,7 @@ from .circuit_breaker import CircuitBreaker
 from .config import RouterConfig
 from .metrics import RouterStats, make_registry
 from .policies import make_policy
+from .sessions import StickySessions
 from .http.client import UpstreamPool
 from .workers import Worker, WorkerRegistry, normalize_url
 
@@ -36,6 +37,7 @@ class Router:
         self.cfg = cfg
         self.registry = WorkerRegistry()
         self.policy = make_policy(cfg.policy, cfg)
+        self.sessions = StickySessions.from_config(cfg) if cfg.sticky_sessions else None  # --sticky-sessions
         self.stats = RouterStats()
         self.metrics_registry = make_registry(self)
         self.session: aiohttp.ClientSession | None = None  # control traffic: health, info, flush

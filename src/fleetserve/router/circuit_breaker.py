@@ -7,8 +7,9 @@
   the circuit, any failure opens it again.
 
 Parameter names and defaults follow sglang-router's ``--cb-*`` flags.  Only
-worker faults count as failures (connection errors, timeouts, 5xx); a 4xx is
-the client's fault and counts as a success.
+worker faults count as failures (connection errors, timeouts, 5xx but 503); a
+4xx is the client's fault and counts as a success; a 429 or 503 ("busy") is
+recorded as neither (the proxy does not call the breaker).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ works with either router.  Differences, all documented in docs/router.md:
 * ``--worker-startup-check-interval`` defaults to 1 s (sglang-router: 30 s).
 * ``--cache-miss-fallback`` is ours: ``least_loaded`` (default) or
   ``smallest_tree`` (the older sglang-router behaviour on a cache miss).
+* ``--routing-key-from-user`` and ``--sticky-max-sessions`` are ours (smg's
+  sticky map has no size bound and reads no ``user`` field).
 * ``--bounded-load-factor`` is ours: 0 (default, sglang-router's thresholds)
   or ``c >= 1`` for cache-aware routing under a bounded-load cap (see
   :class:`fleetserve.router.policies.CacheAwarePolicy`).
@@ -63,6 +65,11 @@ class RouterConfig:
     cb_timeout_duration_secs: float = 60.0
     cb_window_duration_secs: float = 120.0
     disable_circuit_breaker: bool = False
+    sticky_sessions: bool = False
+    routing_key_headers: list[str] = field(default_factory=lambda: ["x-smg-routing-key"])  # smg's default
+    routing_key_from_user: bool = False
+    sticky_idle_secs: float = 14400.0  # smg's --max-idle-secs default (4 h)
+    sticky_max_sessions: int = 100_000
     prometheus_host: str = "127.0.0.1"
     prometheus_port: int | None = None
     log_level: str = "info"
@@ -95,6 +102,19 @@ class RouterConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.retry_max_retries < 1:
             raise ValueError("--retry-max-retries must be >= 1 (it counts attempts)")
+        self._validate_sessions()
+
+    def _validate_sessions(self) -> None:
+        from .sessions import check_header_name
+
+        if not self.routing_key_headers:
+            raise ValueError("--routing-key-headers needs at least one header name")
+        for name in self.routing_key_headers:
+            check_header_name(name)  # raises ValueError naming the flag
+        if not self.sticky_idle_secs >= 0:
+            raise ValueError(f"--max-idle-secs must be >= 0 (0 = never), got {self.sticky_idle_secs}")
+        if self.sticky_max_sessions < 1:
+            raise ValueError(f"--sticky-max-sessions must be >= 1, got {self.sticky_max_sessions}")
 
     @property
     def max_attempts(self) -> int:
@@ -125,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
                    help="cache_aware: route to the matching worker if matched/len(text) exceeds this")
     g.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
-                   help="cache_aware: imbalanced if max_load - min_load exceeds this (and the relative test holds)")
+                   help="cache_aware: leave the matching worker if its load - min_load exceeds this "
+                        "(and the relative test holds)")
     g.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
-                   help="cache_aware: imbalanced if max_load > min_load * this (and the absolute test holds)")
+                   help="cache_aware: leave the matching worker if its load > min_load * this "
+                        "(and the absolute test holds)")
     g.add_argument("--eviction-interval-secs", type=float, default=d.eviction_interval_secs,
                    help="cache_aware: seconds between tree evictions")
     g.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
@@ -172,6 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cb-window-duration-secs", type=float, default=d.cb_window_duration_secs,
                    help="failures older than this no longer count")
     g.add_argument("--disable-circuit-breaker", action="store_true")
+    g = p.add_argument_group("session affinity (flag names as smg's)")
+    g.add_argument("--sticky-sessions", "--routing-key-override", dest="sticky_sessions", action="store_true",
+                   help="requests with a session key go to the worker their session used last, while it is "
+                        "available and within the balance thresholds; else the policy decides")
+    g.add_argument("--routing-key-headers", nargs="+", default=list(d.routing_key_headers), metavar="NAME",
+                   help="headers holding the session key, in order; the first valid value wins")
+    g.add_argument("--routing-key-from-user", action="store_true",
+                   help="without a key header, use the request body's OpenAI 'user' field as the key")
+    g.add_argument("--max-idle-secs", "--sticky-key-idle-secs", dest="sticky_idle_secs", type=float,
+                   default=d.sticky_idle_secs, help="forget a session unused this long (0 = never)")
+    g.add_argument("--sticky-max-sessions", type=int, default=d.sticky_max_sessions,
+                   help="sessions remembered at most; the least recently used is dropped first")
     g = p.add_argument_group("metrics and logs")
     g.add_argument("--prometheus-host", default=d.prometheus_host,
                    help="address of the --prometheus-port listener (independent of --host)")

@@ -9,13 +9,15 @@ Families (prefix ``fleetserve_router_``):
 
 * ``requests_total{worker}``: upstream attempts sent to each worker.
 * ``failures_total{worker}``: attempts that failed by the worker's fault
-  (connection error, timeout, 5xx).
+  (connection error, timeout, 5xx other than a busy 503).
 * ``retries_total``: attempts after the first.
 * ``inflight_requests{worker}``: the load used for routing.
 * ``worker_healthy{worker}``: 1 healthy, 0 not.
 * ``tree_size_chars{worker}``: characters the cache_aware tree holds for each worker.
 * ``cache_decisions_total{result}``: cache_aware ``hit`` / ``miss`` / ``balanced``.
 * ``routing_decision_seconds``: histogram of the time to choose a worker.
+* with ``--sticky-sessions``: ``sticky_sessions`` (sessions remembered) and
+  ``sticky_decisions_total{result=hit|new|moved}``.
 """
 
 from __future__ import annotations
@@ -82,6 +84,16 @@ class RouterCollector:
         for label, attr in (("hit", "hits"), ("miss", "misses"), ("balanced", "balanced")):
             dec.add_metric([label], getattr(policy, attr, 0))
         yield dec
+        sessions = getattr(r, "sessions", None)
+        if sessions is not None:
+            yield GaugeMetricFamily("fleetserve_router_sticky_sessions", "Sessions remembered (--sticky-sessions)",
+                                    value=len(sessions))
+            sd = CounterMetricFamily("fleetserve_router_sticky_decisions", "Keyed requests: the session's worker "
+                                     "took it (hit), an unknown key (new), or the session moved (moved)",
+                                     labels=["result"])
+            for label, attr in (("hit", "hits"), ("new", "new"), ("moved", "moved")):
+                sd.add_metric([label], getattr(sessions, attr))
+            yield sd
         counts = r.stats.decision_counts
         buckets, acc = [], 0
         for bound, c in zip(DECISION_BUCKETS_S, counts):

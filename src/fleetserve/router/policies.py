@@ -36,6 +36,20 @@ def least_loaded(workers: list[Worker], tree: RadixTree | None = None) -> Worker
     return best
 
 
+def over_balance(load: int, min_load: int, abs_threshold: float, rel_threshold: float) -> bool:
+    """True if a worker at ``load`` in-flight requests is too busy to keep a request it would get.
+
+    Both margins must hold against ``min_load``, the least loaded available worker:
+    ``load - min_load > abs_threshold`` and ``load > min_load * rel_threshold`` (the
+    thresholds of sglang-router's ``--balance-abs-threshold`` / ``--balance-rel-threshold``).
+    The test is per worker, for the worker the request would go to, as smg's cache-aware
+    policy judges each affinity candidate (its ``candidate_requires_spill``; smg compares
+    against the fleet's mean load, we keep sglang-router's minimum).  A busy worker elsewhere
+    in the fleet therefore never moves a request off a lightly loaded one.
+    """
+    return load - min_load > abs_threshold and load > min_load * rel_threshold
+
+
 class RoundRobinPolicy:
     name = "round_robin"
 
@@ -90,31 +104,33 @@ class PowerOfTwoPolicy:
 class CacheAwarePolicy:
     """Cache-aware routing over one shared :class:`RadixTree`.
 
-    For each request, with ``loads`` the in-flight counts of the available workers:
+    For each request, with ``min`` the least in-flight count among the available workers:
 
-    1. imbalanced, if ``max - min > abs_threshold`` and ``max > min * rel_threshold``:
-       the least-loaded worker;
-    2. else match ``text`` in the tree; if ``matched / len(text) > cache_threshold``
-       and an available worker owns the matched node: the least loaded of those owners
-       (a *hit*);
-    3. else (a *miss*): the least-loaded worker, or with
-       ``cache_miss_fallback="smallest_tree"`` the worker holding the fewest characters.
+    1. match ``text`` in the tree; if ``matched / len(text) > cache_threshold`` and an
+       available worker owns the matched node, the candidate is the least loaded of
+       those owners: it gets the request (a *hit*) unless :func:`over_balance` says
+       it is too busy against ``min``; then the least-loaded worker does (*balanced*);
+    2. else (a *miss*): the least-loaded worker, or with
+       ``cache_miss_fallback="smallest_tree"`` the worker holding the fewest characters
+       (unless that one is over the balance, as in step 1).
 
+    The load test is per candidate, not fleet-wide: a swamped worker elsewhere never
+    moves a request off a lightly loaded owner of its prefix.
     The text is inserted under the chosen worker in every branch.  Empty text is
-    no key: step 1 / the fallback decide and nothing is inserted.  Parameters and
+    no key: the fallback decides and nothing is inserted.  Parameters and
     defaults follow sglang-router (cache 0.3, abs 64, rel 1.5).
     ``hits`` / ``misses`` / ``balanced`` count decisions for metrics.
 
-    ``bounded_load_factor = c > 0`` (ours; off by default) replaces step 1 with
+    ``bounded_load_factor = c > 0`` (ours; off by default) replaces the load test with
     the bound of consistent hashing with bounded loads (Mirrokni, Thorup and
     Zadimoghaddam, SODA 2018): only workers whose load would stay within
     ``ceil(c * (total_load + 1) / n) + bounded_load_slack`` are candidates (the
     slack, ours, keeps the usual jitter of a lightly loaded fleet from moving
-    requests off their cache); steps 2 and 3 pick among them, and step 2 takes
-    the candidate with the longest match (ties: least loaded, then first).  A hot prefix then spills to a second worker as soon as its owner
-    is ``c`` times busier than the average, instead of waiting for the absolute
-    gap of step 1; ``balanced`` counts requests whose best-matching worker was
-    over the bound.
+    requests off their cache); steps 1 and 2 pick among them, and step 1 takes
+    the candidate with the longest match (ties: least loaded, then first).  A hot
+    prefix then spills to a second worker as soon as its owner is ``c`` times busier
+    than the average, instead of waiting for the absolute gap; ``balanced`` counts
+    requests whose best-matching worker was over the bound.
     """
 
     name = "cache_aware"
@@ -144,36 +160,29 @@ class CacheAwarePolicy:
         tree = self.tree
         if self.bounded_load_factor and len(workers) > 1:
             return self._select_bounded(workers, text)
-        if len(workers) == 1:
-            chosen = workers[0]
-            # still a decision for metrics: did the tree predict it?
-        else:
-            lo = hi = workers[0].load
-            for w in workers:
-                load = w.load
-                if load < lo:
-                    lo = load
-                elif load > hi:
-                    hi = load
-            if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
-                self.balanced += 1
-                chosen = least_loaded(workers, tree)
-                if text:
-                    tree.insert(text, chosen.url)
-                return chosen
-            chosen = None
+        lo = workers[0].load
+        for w in workers:
+            if w.load < lo:
+                lo = w.load
+        chosen = None
         if text:
             matched, owners = tree.match(text)
             if owners and matched / len(text) > self.cache_threshold:
                 cands = [w for w in workers if w.url in owners]
                 if cands:
-                    self.hits += 1
-                    chosen = cands[0] if len(cands) == 1 else least_loaded(cands)
+                    best = cands[0] if len(cands) == 1 else least_loaded(cands)
+                    if over_balance(best.load, lo, self.abs_threshold, self.rel_threshold):
+                        self.balanced += 1  # the owner itself is too busy: leave it for the least loaded
+                        chosen = least_loaded(workers, tree)
+                    else:
+                        self.hits += 1
+                        chosen = best
                     tree.insert(text, chosen.url)
                     return chosen
         self.misses += 1
-        if chosen is None:
-            chosen = self._miss_target(workers)
+        chosen = self._miss_target(workers)
+        if over_balance(chosen.load, lo, self.abs_threshold, self.rel_threshold):
+            chosen = least_loaded(workers, tree)  # only with smallest_tree: that worker is too busy
         if text:
             tree.insert(text, chosen.url)
         return chosen

@@ -9,11 +9,15 @@ object, 503 no available worker, 502 / 504 every attempt failed (or timed out)
 without a worker response.  (413 for a body over ``--max-payload-size`` is
 answered by the server before a handler runs.)
 
-Retries: a connection error, a timeout or a 5xx answer is retried on another
-worker (when there is one) after an exponential backoff with jitter, up to
-``--retry-max-retries`` attempts -- only while nothing has been sent to the
-client.  Once a streamed response has started, a failure ends the stream.
-A 4xx answer passes through unchanged and counts as a worker success.
+Retries: a connection error, a timeout or a 5xx answer other than 503 is
+retried on another worker (when there is one) after an exponential backoff
+with jitter, up to ``--retry-max-retries`` attempts -- only while nothing has
+been sent to the client.  A stream is held back until its first piece of body
+arrives, so a worker that fails before its first event is retried too; once a
+streamed response has started, a failure ends the stream with an error event.
+A 429 or 503 answer is back-pressure: retried at once on a worker not asked
+yet, else passed to the client unchanged, and never a circuit-breaker failure.
+Any other 4xx answer passes through unchanged and counts as a worker success.
 """
 
 from __future__ import annotations
@@ -81,6 +85,23 @@ class _Retry:
         self.response = response
 
 
+class _Busy(_Retry):
+    """The worker answered 429 or 503: busy, not broken.  ``response`` is its answer, unchanged."""
+
+    __slots__ = ()
+
+
+# a worker's "busy, come back later" answers: back-pressure, not failure (see docs/router.md, "Busy workers")
+BUSY_STATUSES = frozenset({429, 503})
+
+
+def _upstream_error(e: UpstreamError, message: str) -> dict:
+    """The OpenAI-style error body of a failed exchange: code ``upstream_timeout`` (a timeout) or ``upstream_error``."""
+    if isinstance(e, UpstreamTimeoutError):
+        return error_body(message, "gateway_timeout", code="upstream_timeout")
+    return error_body(message, "bad_gateway", code="upstream_error")
+
+
 async def handle_inference(router: Router, request: Request) -> Response | None:
     """Parse, route and proxy one inference request (the server already enforced the size limit)."""
     try:
@@ -94,13 +115,20 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
     path = request.path
     router.handling += 1
     try:
-        return await _forward(router, request, path, routing_text(path, body), body.get("stream") is True)
+        sessions = router.sessions
+        key = sessions.key(request.headers, body) if sessions is not None else None
+        return await _forward(router, request, path, routing_text(path, body), body.get("stream") is True, key)
     finally:
         router.handling -= 1
 
 
-async def _forward(router: Router, request: Request, path: str, text: str, stream: bool) -> Response | None:
-    """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet."""
+async def _forward(router: Router, request: Request, path: str, text: str, stream: bool,
+                   key: str | None = None) -> Response | None:
+    """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet.
+
+    ``key``: the session key (``--sticky-sessions``): its worker goes first when it can take the
+    request (see :mod:`.sessions`), and the session follows the worker each attempt goes to.
+    """
     cfg = router.cfg
     stats = router.stats
     policy = router.policy
@@ -116,7 +144,13 @@ async def _forward(router: Router, request: Request, path: str, text: str, strea
             fresh = [w for w in workers if w not in tried]
             if fresh:
                 workers = fresh
-        worker = policy.select(workers, text, retry=bool(tried))
+        worker = None
+        if key is not None and not tried:
+            worker = router.sessions.select(key, workers, text, policy)
+        if worker is None:
+            worker = policy.select(workers, text, retry=bool(tried))
+        if key is not None and worker is not None:
+            router.sessions.remember(key, worker.url)
         stats.observe_decision(time.perf_counter() - t0)
         if worker is None:
             stats.no_worker += 1
@@ -125,12 +159,19 @@ async def _forward(router: Router, request: Request, path: str, text: str, strea
                                   code="no_healthy_worker")
             return failure
         result = await _attempt(router, request, worker, path, headers, stream)
-        if type(result) is not _Retry:
+        kind = type(result)
+        if kind is not _Retry and kind is not _Busy:
             return result
         tried.append(worker)
         failure = result.response
         if attempt >= router.max_attempts:
             return failure
+        if kind is _Busy:
+            # busy: another worker that has not been asked yet takes it at once; none -> the answer as is
+            if not any(w not in tried for w in router.registry.available()):
+                return failure
+            stats.retries += 1
+            continue
         stats.retries += 1
         await asyncio.sleep(backoff_delay_s(attempt, cfg.retry_initial_backoff_ms, cfg.retry_max_backoff_ms,
                                             cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
@@ -149,6 +190,11 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
         try:
             resp = await router.pool.post(worker.url, path, request.body, headers)
             status = resp.status
+            if status in BUSY_STATUSES:
+                # not a failure: the circuit breaker is left as it is, so the worker gets traffic again
+                # the moment it has room; the answer (status, body, Retry-After) is kept for the client
+                data = await resp.read()
+                return _Busy(Response(status, data, resp.headers.get("content-type", _JSON), _forwarded_headers(resp)))
             if status >= 500:
                 data = await resp.read()
                 _fail(worker)
@@ -158,14 +204,15 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
                 data = await resp.read()
                 worker.breaker.record_success()
                 return Response(status, data, resp.headers.get("content-type", _JSON), _forwarded_headers(resp))
+            # a stream: nothing goes to the client before the first piece of body has arrived,
+            # so a worker that fails before its first event is still retried elsewhere
+            first = await resp.next_chunk()
         except UpstreamError as e:
             _fail(worker)
-            status, kind, code = ((504, "gateway_timeout", "upstream_timeout") if isinstance(e, UpstreamTimeoutError)
-                                  else (502, "bad_gateway", "upstream_error"))
-            return _Retry(json_error(status, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
-                                     kind, code=code))
+            err = _upstream_error(e, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}")
+            return _Retry(Response(504 if isinstance(e, UpstreamTimeoutError) else 502, orjson.dumps(err)))
         # streaming: from here on bytes reach the client, so no retry
-        await _stream(request, worker, resp)
+        await _stream(request, worker, resp, first)
         return None
     finally:
         worker.load -= 1
@@ -173,8 +220,8 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             resp.release()
 
 
-async def _stream(request: Request, worker: Worker, resp: UpstreamResponse) -> None:
-    """Pass a streamed answer through chunk by chunk, as each arrives."""
+async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes) -> None:
+    """Pass a streamed answer through chunk by chunk, as each arrives (``chunk``: the first piece, b'' if none)."""
     try:
         extra = _forwarded_headers(resp)
         if "cache-control" not in resp.headers:
@@ -182,17 +229,15 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse) -> N
         request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"), extra)
         tail = b"\n\n"  # the last two bytes sent: is an event open?
         try:
-            while True:
-                chunk = await resp.next_chunk()
-                if not chunk:
-                    break
+            while chunk:
                 await request.write(chunk)
                 tail = (tail + chunk)[-2:]
+                chunk = await resp.next_chunk()
         except UpstreamError as e:
             # bytes already reached the client, so no retry: close off any half event and
             # end with an OpenAI-style error event (and no [DONE]) rather than a silent cut
             _fail(worker)
-            err = error_body(f"worker {worker.url} failed mid-stream: {e}", "bad_gateway", code="upstream_error")
+            err = _upstream_error(e, f"worker {worker.url} failed mid-stream: {type(e).__name__}: {e}")
             await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err) + b"\n\n")
             request.end_stream()
             return

@@ -13,7 +13,10 @@ any response byte arrived is sent once more on a fresh connection (the worker
 may have closed the idle connection meanwhile), as aiohttp does.
 
 Errors: every failure raises :class:`UpstreamError` (``UpstreamTimeoutError``
-for the ``timeout`` bound, which covers the whole exchange, streaming included).
+for the ``timeout`` bound, which covers the whole exchange, streaming included):
+refused, reset or closed before or while the request is written, before the
+status line, mid-headers or mid-body, a malformed answer.  Nothing else escapes
+(tests/unit/router/test_router_worker_faults.py runs each of these).
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         h = self.headers
-        if (self.status and exc is None and not self.done and self.head_waiter is None
+        if (self.head_done and exc is None and not self.done
                 and "content-length" not in h and "transfer-encoding" not in h):
             self.on_message_complete()  # a body delimited by the end of the connection
             return
@@ -202,7 +205,8 @@ class UpstreamResponse:
                 raise c.error
             if c.paused:  # the stream back-pressure does not apply: we want it all
                 c.paused = False
-                c.transport.resume_reading()
+                if not c.closed:
+                    c.transport.resume_reading()
             c.body_waiter = c.pool.loop.create_future()
             await c.body_waiter
             c.body_waiter = None
@@ -221,7 +225,8 @@ class UpstreamResponse:
                 c.buffered -= len(chunk)
                 if c.paused and c.buffered < _HIGH_WATER // 2:
                     c.paused = False
-                    c.transport.resume_reading()
+                    if not c.closed:
+                        c.transport.resume_reading()
                 return chunk
             if c.done:
                 return b""
@@ -331,9 +336,20 @@ class UpstreamPool:
         return await self._exchange(conn, head, body, timeout)
 
     async def _exchange(self, conn: _Conn, head: bytes, body: bytes, timeout: float) -> UpstreamResponse:
+        if conn.closed or conn.transport.is_closing():
+            # the worker reset or closed the connection before the request was written (it can
+            # happen between connect and here): writing now raises on uvloop ("unable to perform
+            # operation on <TCPTransport closed=True>") and is silently dropped by asyncio, where
+            # the wait below would then last the whole timeout
+            conn.closed = True
+            conn.transport.abort()
+            raise conn.error or UpstreamError("connection closed by the worker before the request was sent")
         waiter = conn.head_waiter = self.loop.create_future()
         timer = self.loop.call_later(timeout, self._on_timeout, conn, timeout)
-        conn.transport.write(head + body)
+        try:
+            conn.transport.write(head + body)
+        except (RuntimeError, OSError) as e:  # closed under us anyway: same as above
+            conn._fail(UpstreamError(f"cannot send the request to the worker: {e}"))
         try:
             await waiter
         except BaseException:
