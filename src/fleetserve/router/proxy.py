@@ -92,11 +92,18 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
         router.stats.bad_requests += 1
         return json_error(400, "the request body must be a JSON object")
     path = request.path
+    admission = router.admission
+    if admission is not None:  # --max-concurrent-requests: wait for a token (admission.py)
+        refused = await admission.admit()
+        if refused is not None:
+            return refused
     router.handling += 1
     try:
         return await _forward(router, request, path, routing_text(path, body), body.get("stream") is True)
     finally:
         router.handling -= 1
+        if admission is not None:
+            admission.release()
 
 
 async def _forward(router: Router, request: Request, path: str, text: str, stream: bool) -> Response | None:
