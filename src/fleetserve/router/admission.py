@@ -95,15 +95,28 @@ class Admission:
         return False
 
     # ------------------------------------------------------------ the request path
+    def try_admit(self) -> bool:
+        """Take a token now if one is free and nobody waits (the fast path: no coroutine, no wait)."""
+        if self._waiters:
+            return False
+        if self.refill_per_s:
+            self._refill()
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        self.admitted += 1
+        self.allowed_total += 1
+        self.wait_counts[0] += 1  # waited 0 s
+        return True
+
     async def admit(self) -> Response | None:
         """Wait for a token: ``None`` once admitted, else the 429 / 408 response to send.
 
         Raises ``CancelledError`` if the calling task is cancelled while
         queued (the client went away); it has then left the queue and holds
-        no token.
+        no token.  Callers on a hot path try :meth:`try_admit` first.
         """
-        if not self._waiters and self._take():
-            self._granted(0.0)
+        if self.try_admit():
             return None
         if len(self._waiters) >= self.queue_size:
             self.rejected["queue_full"] += 1
@@ -136,11 +149,14 @@ class Admission:
         return None
 
     def release(self) -> None:
-        """Give back the token of a request that :meth:`admit` admitted, and wake the queue's head."""
+        """Give back the token of a request that was admitted, and wake the queue's head."""
         self.admitted -= 1
-        self._refill()
-        self.tokens = min(self.capacity, self.tokens + 1.0)
-        self._hand_out()
+        if self.refill_per_s:
+            self._refill()
+        tokens = self.tokens + 1.0
+        self.tokens = tokens if tokens < self.capacity else self.capacity
+        if self._waiters:
+            self._hand_out()
 
     # ------------------------------------------------------------ internals
     def _granted(self, waited_s: float) -> None:

@@ -12,6 +12,11 @@ works with either router.  Differences, all documented in docs/router.md:
 * ``--bounded-load-factor`` is ours: 0 (default, sglang-router's thresholds)
   or ``c >= 1`` for cache-aware routing under a bounded-load cap (see
   :class:`fleetserve.router.policies.CacheAwarePolicy`).
+* ``--max-concurrent-requests`` and its queue flags follow smg's token bucket
+  (:mod:`.admission`), except that ``--rate-limit-tokens-per-second 0`` means
+  no refill; ``--drain-timeout-secs`` is ours (:mod:`.drain`).
+* sglang-router flags with no counterpart here are refused with one line
+  (:mod:`.compat`), and every start-up error is one line naming the flag.
 """
 
 from __future__ import annotations
@@ -159,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("workers")
     g.add_argument("--host", default=d.host,
-                   help="address to listen on; the admin routes (/add_worker, /remove_worker, /flush_cache) have "
-                        "no auth, so give 0.0.0.0 only on a trusted network")
+                   help="address to listen on; without --api-key the admin routes (/add_worker, /remove_worker, "
+                        "/flush_cache) have no auth, so give 0.0.0.0 only with --api-key or on a trusted network")
     g.add_argument("--port", type=int, default=d.port, help="port to listen on")
     g.add_argument("--worker-urls", nargs="*", default=[], help="worker base URLs (space separated)")
     g.add_argument("--worker-startup-timeout-secs", type=float, default=d.worker_startup_timeout_secs,
@@ -229,12 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
                    help="token bucket capacity for the inference routes; -1 = no admission control")
     g.add_argument("--queue-size", type=int, default=None,
-                   help=f"requests that may wait for a token (FIFO; 0 = 429 at once) [default: {DEFAULT_QUEUE_SIZE}]")
+                   help=f"requests that may wait for a token (FIFO; 0 = 429 at once) (default: {DEFAULT_QUEUE_SIZE})"
+                        "%(default).0s")
     g.add_argument("--queue-timeout-secs", type=float, default=None,
-                   help=f"a queued request waiting this long gets 408 [default: {DEFAULT_QUEUE_TIMEOUT_SECS:g}]")
+                   help=f"a queued request waiting this long gets 408 (default: {DEFAULT_QUEUE_TIMEOUT_SECS:g})"
+                        "%(default).0s")
     g.add_argument("--rate-limit-tokens-per-second", type=float, default=None,
                    help="token refill rate; unset = --max-concurrent-requests per second; 0 = no refill "
-                        "(a pure concurrency limit)")
+                        "(a pure concurrency limit)%(default).0s")
     g = p.add_argument_group("auth and drain")
     g.add_argument("--api-key", default=None,
                    help="the router's own key: inference and admin routes need 'Authorization: Bearer KEY' "

@@ -93,8 +93,8 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
         return json_error(400, "the request body must be a JSON object")
     path = request.path
     admission = router.admission
-    if admission is not None:  # --max-concurrent-requests: wait for a token (admission.py)
-        refused = await admission.admit()
+    if admission is not None and not admission.try_admit():  # --max-concurrent-requests (admission.py)
+        refused = await admission.admit()  # wait in the queue, or 429 / 408
         if refused is not None:
             return refused
     router.handling += 1
