@@ -50,3 +50,29 @@ async def test_limit_queue_429_and_key_through_the_cli(procs):
         assert await metric(s, router, 'fleetserve_router_rejections_total{reason="queue_full"}') == 1
         async with s.get(router + "/readiness", timeout=T) as r:
             assert r.status == 200 and (await r.json())["status"] == "ready"
+
+
+@pytest.mark.timeout(90)
+async def test_readiness_is_503_once_sigterm_arrives_while_requests_finish(procs):
+    import os
+    import signal
+
+    url, _ = procs.worker("w0")
+    router, rp = procs.router([url])
+    conn = aiohttp.TCPConnector(limit=1)  # one keep-alive connection, opened before the signal
+    async with aiohttp.ClientSession(connector=conn) as s, aiohttp.ClientSession() as s2:
+        async with s.get(router + "/readiness", timeout=T) as r:
+            assert r.status == 200
+        slow = asyncio.ensure_future(s2.post(router + "/generate", json={"text": "x", "fake_sleep": 2.0}, timeout=T))
+        await asyncio.sleep(0.5)
+        os.kill(rp.pid, signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        async with s.get(router + "/readiness", timeout=T) as r:  # on the connection that stays open
+            body = await r.json()
+            assert r.status == 503 and body["reason"] == "shutting down"
+        async with s.get(router + "/liveness", timeout=T) as r:
+            assert r.status == 200
+        resp = await slow
+        assert resp.status == 200  # the request in flight still finished
+        resp.release()
+    assert rp.wait(timeout=10) == 0
