@@ -255,3 +255,16 @@ async def test_tokens_come_back_when_a_request_ends_and_the_queue_is_fifo():
     assert order == ["second"] and a.admitted == 1 and a.queued == 0
     a.release()
     assert a.admitted == 0 and a.tokens == 1.0
+
+
+@pytest.mark.timeout(30)
+async def test_a_new_arrival_never_overtakes_a_waiter_and_the_refill_timer_admits_it():
+    a = Admission(1, 20, queue_size=5, queue_timeout_s=10)  # one token per 50 ms
+    assert a.try_admit() and a.tokens < 1
+    waiter = asyncio.ensure_future(a.admit())
+    await asyncio.sleep(0)
+    assert a.queued == 1
+    a.tokens = 1.0  # a token is there before the refill timer fired: it belongs to the waiter
+    assert a.try_admit() is False
+    assert await asyncio.wait_for(waiter, 2) is None  # the timer hands it over
+    assert a.admitted == 2 and a.queued == 0
