@@ -48,9 +48,17 @@ async def handle_health(router: Router, request: Request) -> Response:
 
 
 async def handle_readiness(router: Router, request: Request) -> Response:
+    """200 while some worker can take a request; 503 with none, or once shutdown began.
+
+    ``status`` / ``reason`` / ``healthy_workers`` / ``total_workers`` as in sglang-router 0.3.2.
+    """
     n = len(router.registry.available())
-    body = orjson.dumps({"ready": n > 0, "available_workers": n, "workers": len(router.registry)})
-    return Response(200 if n else 503, body)
+    ready = n > 0 and not router.shutting_down
+    body = {"status": "ready" if ready else "not ready", "healthy_workers": n, "total_workers": len(router.registry),
+            "ready": ready, "available_workers": n, "workers": len(router.registry)}
+    if not ready:
+        body["reason"] = "shutting down" if router.shutting_down else "insufficient healthy workers"
+    return Response(200 if ready else 503, orjson.dumps(body))
 
 
 async def handle_metrics(router: Router, request: Request) -> Response:
@@ -155,8 +163,10 @@ async def handle_remove_worker(router: Router, request: Request) -> Response:
 async def handle_list_workers(router: Router, request: Request) -> Response:
     body = {
         "urls": router.registry.urls(),
-        "workers": [{"url": w.url, "healthy": w.healthy, "load": w.load, "circuit": w.breaker.state}
-                    for w in router.registry.workers],
+        "workers": [{"url": w.url, "healthy": w.healthy, "load": w.load, "circuit": w.breaker.state,
+                     "draining": w.draining} for w in router.registry.workers],
+        # POST /drain_worker urls: still listed (and in "urls") until drained, but get no new requests
+        "draining": [w.url for w in router.registry.workers if w.draining],
         # /add_worker urls still waiting for their first good health check: not routed to, not in "urls"
         "pending": list(router.pending),
     }

@@ -19,6 +19,7 @@ import logging
 import aiohttp
 
 from . import health
+from .admission import make_admission
 from .circuit_breaker import CircuitBreaker
 from .config import RouterConfig
 from .metrics import RouterStats, make_registry
@@ -47,10 +48,13 @@ class Router:
         self.max_attempts = cfg.max_attempts  # a computed config property, copied once
         self.info_turn = 0  # which available worker answers the next info request
         self.handling = 0  # inference requests being handled (the shutdown drain waits for them)
+        self.admission = make_admission(cfg)  # None: --max-concurrent-requests -1
+        self.drains: dict[str, asyncio.Task] = {}  # POST /drain_worker waits, by url
+        self.shutting_down = False  # set on SIGTERM/SIGINT: /readiness answers 503
 
     def inflight(self) -> int:
-        """Inference requests being handled, whichever worker (registered or removed since) serves them."""
-        return self.handling
+        """Inference requests being handled or queued for admission, whichever worker serves them."""
+        return self.handling + (self.admission.queued if self.admission is not None else 0)
 
     def new_worker(self, url: str) -> Worker:
         c = self.cfg
@@ -74,10 +78,11 @@ class Router:
             self._tasks.append(asyncio.create_task(self._eviction_loop()))
 
     async def stop(self) -> None:
-        for t in self.pending.values():
+        for t in (*self.pending.values(), *self.drains.values()):
             t.cancel()
-        await asyncio.gather(*self.pending.values(), return_exceptions=True)
+        await asyncio.gather(*self.pending.values(), *self.drains.values(), return_exceptions=True)
         self.pending.clear()
+        self.drains.clear()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

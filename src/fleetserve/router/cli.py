@@ -79,6 +79,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         if ready is not None:
             ready.set()
         await stop.wait()
+        router.shutting_down = True  # /readiness: 503 from now on
         for srv in servers:
             srv.close()  # stop accepting; open connections keep their requests in flight
         deadline = loop.time() + cfg.shutdown_grace_period_secs

@@ -14,6 +14,11 @@ works with either router.  Differences, all documented in docs/router.md:
 * ``--bounded-load-factor`` is ours: 0 (default, sglang-router's thresholds)
   or ``c >= 1`` for cache-aware routing under a bounded-load cap (see
   :class:`fleetserve.router.policies.CacheAwarePolicy`).
+* ``--max-concurrent-requests`` and its queue flags follow smg's token bucket
+  (:mod:`.admission`), except that ``--rate-limit-tokens-per-second 0`` means
+  no refill; ``--drain-timeout-secs`` is ours (:mod:`.drain`).
+* sglang-router flags with no counterpart here are refused with one line
+  (:mod:`.compat`), and every start-up error is one line naming the flag.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from .workers import normalize_url
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 CACHE_MISS_FALLBACKS = ("least_loaded", "smallest_tree")
+DEFAULT_QUEUE_SIZE = 100  # smg / sglang-router 0.3.2 --queue-size default
+DEFAULT_QUEUE_TIMEOUT_SECS = 60.0  # smg / sglang-router 0.3.2 --queue-timeout-secs default
 
 
 @dataclass
@@ -73,6 +80,21 @@ class RouterConfig:
     prometheus_host: str = "127.0.0.1"
     prometheus_port: int | None = None
     log_level: str = "info"
+    # admission control (smg / sglang-router flags; see admission.py)
+    max_concurrent_requests: int = -1  # -1: off
+    queue_size: int | None = None  # None: the default, 100 (as smg)
+    queue_timeout_secs: float | None = None  # None: the default, 60 s (as smg)
+    rate_limit_tokens_per_second: float | None = None  # None: N tokens/s (as smg); 0: no refill
+    api_key: str | None = None  # the router's own key (auth.py)
+    drain_timeout_secs: float = 180.0  # POST /drain_worker: longest wait for in-flight requests (ours)
+
+    @property
+    def effective_queue_size(self) -> int:
+        return DEFAULT_QUEUE_SIZE if self.queue_size is None else self.queue_size
+
+    @property
+    def effective_queue_timeout_secs(self) -> float:
+        return DEFAULT_QUEUE_TIMEOUT_SECS if self.queue_timeout_secs is None else self.queue_timeout_secs
 
     def validate(self) -> None:
         """Raise ``ValueError`` on an out-of-range setting."""
@@ -103,6 +125,7 @@ class RouterConfig:
         if self.retry_max_retries < 1:
             raise ValueError("--retry-max-retries must be >= 1 (it counts attempts)")
         self._validate_sessions()
+        self._validate_admission()
 
     def _validate_sessions(self) -> None:
         from .sessions import check_header_name
@@ -116,24 +139,53 @@ class RouterConfig:
         if self.sticky_max_sessions < 1:
             raise ValueError(f"--sticky-max-sessions must be >= 1, got {self.sticky_max_sessions}")
 
+    def _validate_admission(self) -> None:
+        n = self.max_concurrent_requests
+        if n != -1 and n < 1:
+            raise ValueError(f"--max-concurrent-requests must be -1 (off) or >= 1, got {n}")
+        if self.queue_size is not None and self.queue_size < 0:
+            raise ValueError(f"--queue-size must be >= 0 (0: no queue, 429 at once), got {self.queue_size}")
+        if self.queue_timeout_secs is not None and not self.queue_timeout_secs > 0:
+            raise ValueError(f"--queue-timeout-secs must be > 0, got {self.queue_timeout_secs:g}")
+        rate = self.rate_limit_tokens_per_second
+        if rate is not None and not rate >= 0:
+            raise ValueError(f"--rate-limit-tokens-per-second must be >= 0 (0: no refill), got {rate:g}")
+        if n == -1:
+            for flag, value in (("--queue-size", self.queue_size), ("--queue-timeout-secs", self.queue_timeout_secs),
+                                ("--rate-limit-tokens-per-second", rate)):
+                if value is not None:
+                    raise ValueError(f"{flag} needs --max-concurrent-requests N (N >= 1): without a limit "
+                                     f"nothing is queued or rate limited")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+        if not self.drain_timeout_secs > 0:
+            raise ValueError(f"--drain-timeout-secs must be > 0, got {self.drain_timeout_secs:g}")
+
     @property
     def max_attempts(self) -> int:
         """Attempts per request: ``--retry-max-retries`` (sglang counts attempts), 1 with ``--disable-retries``."""
         return 1 if self.disable_retries else self.retry_max_retries
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line naming the flag (exit code 2), without the usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fleetserve router`` argument parser."""
     d = RouterConfig()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="fleetserve router",
         description="Cache-aware HTTP load balancer for LLM workers (flags follow sglang_router.launch_router).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("workers")
     g.add_argument("--host", default=d.host,
-                   help="address to listen on; the admin routes (/add_worker, /remove_worker, /flush_cache) have "
-                        "no auth, so give 0.0.0.0 only on a trusted network")
+                   help="address to listen on; without --api-key the admin routes (/add_worker, /remove_worker, "
+                        "/flush_cache) have no auth, so give 0.0.0.0 only with --api-key or on a trusted network")
     g.add_argument("--port", type=int, default=d.port, help="port to listen on")
     g.add_argument("--worker-urls", nargs="*", default=[], help="worker base URLs (space separated)")
     g.add_argument("--worker-startup-timeout-secs", type=float, default=d.worker_startup_timeout_secs,
@@ -212,6 +264,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prometheus-port", type=int, default=None,
                    help="extra listener for /metrics (it is always on the main port too)")
     g.add_argument("--log-level", choices=("debug", "info", "warn", "warning", "error"), default=d.log_level)
+    g = p.add_argument_group("rate limiting (smg / sglang-router semantics)")
+    g.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                   help="token bucket capacity for the inference routes; -1 = no admission control")
+    g.add_argument("--queue-size", type=int, default=None,
+                   help=f"requests that may wait for a token (FIFO; 0 = 429 at once) (default: {DEFAULT_QUEUE_SIZE})"
+                        "%(default).0s")
+    g.add_argument("--queue-timeout-secs", type=float, default=None,
+                   help=f"a queued request waiting this long gets 408 (default: {DEFAULT_QUEUE_TIMEOUT_SECS:g})"
+                        "%(default).0s")
+    g.add_argument("--rate-limit-tokens-per-second", type=float, default=None,
+                   help="token refill rate; unset = --max-concurrent-requests per second; 0 = no refill "
+                        "(a pure concurrency limit)%(default).0s")
+    g = p.add_argument_group("auth and drain")
+    g.add_argument("--api-key", default=None,
+                   help="the router's own key: inference and admin routes need 'Authorization: Bearer KEY' "
+                        "(401 otherwise); /health, /liveness, /readiness, /health_generate, /metrics stay open")
+    g.add_argument("--drain-timeout-secs", type=float, default=d.drain_timeout_secs,
+                   help="POST /drain_worker: longest wait for the worker's in-flight requests before it is removed")
+    from .compat import add_unsupported  # last: skips any flag defined above
+    add_unsupported(p)
     return p
 
 

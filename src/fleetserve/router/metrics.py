@@ -109,6 +109,8 @@ def make_registry(router) -> CollectorRegistry:
     """A fresh registry holding only this router's collector."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(RouterCollector(router))
+    from .admission_metrics import AdmissionCollector
+    reg.register(AdmissionCollector(router))
     return reg
 
 

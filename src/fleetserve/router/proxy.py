@@ -113,6 +113,11 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
         router.stats.bad_requests += 1
         return json_error(400, "the request body must be a JSON object")
     path = request.path
+    admission = router.admission
+    if admission is not None and not admission.try_admit():  # --max-concurrent-requests (admission.py)
+        refused = await admission.admit()  # wait in the queue, or 429 / 408
+        if refused is not None:
+            return refused
     router.handling += 1
     try:
         sessions = router.sessions
@@ -120,6 +125,8 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
         return await _forward(router, request, path, routing_text(path, body), body.get("stream") is True, key)
     finally:
         router.handling -= 1
+        if admission is not None:
+            admission.release()
 
 
 async def _forward(router: Router, request: Request, path: str, text: str, stream: bool,

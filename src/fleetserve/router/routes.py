@@ -2,31 +2,42 @@
 
 :func:`make_routes` is the router's main port; :func:`metrics_routes` is the
 ``--prometheus-port`` one (``GET /metrics`` only).  Handlers are module-level
-functions over the :class:`~.app.Router`, bound to it here.
+functions over the :class:`~.app.Router`, bound to it here; with ``--api-key``
+every path outside :data:`.auth.OPEN_PATHS` is behind the key check.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-from . import admin, proxy
+from . import admin, auth, drain, probes, proxy
 from .app import Router
 from .http.server import Routes
 
 
 def make_routes(router: Router) -> Routes:
     routes = Routes()
+    key = router.cfg.api_key
+
+    def add(method: str, path: str, handler) -> None:
+        bound = partial(handler, router)
+        routes.add(method, path, bound if path in auth.OPEN_PATHS else auth.guard(key, bound))
+
     for path in proxy.INFERENCE_PATHS:
-        routes.add("POST", path, partial(proxy.handle_inference, router))
+        add("POST", path, proxy.handle_inference)
     for path in admin.INFO_PATHS:
-        routes.add("GET", path, partial(admin.handle_info, router))
-    routes.add("POST", "/flush_cache", partial(admin.handle_flush_cache, router))
-    routes.add("GET", "/health", partial(admin.handle_health, router))
-    routes.add("GET", "/readiness", partial(admin.handle_readiness, router))
-    routes.add("GET", "/metrics", partial(admin.handle_metrics, router))
-    routes.add("POST", "/add_worker", partial(admin.handle_add_worker, router))
-    routes.add("POST", "/remove_worker", partial(admin.handle_remove_worker, router))
-    routes.add("GET", "/list_workers", partial(admin.handle_list_workers, router))
+        add("GET", path, admin.handle_info)
+    add("POST", "/flush_cache", admin.handle_flush_cache)
+    add("GET", "/health", admin.handle_health)
+    add("GET", "/liveness", probes.handle_liveness)
+    add("GET", "/readiness", admin.handle_readiness)
+    add("GET", "/health_generate", probes.handle_health_generate)
+    add("GET", "/get_loads", probes.handle_get_loads)
+    add("GET", "/metrics", admin.handle_metrics)
+    add("POST", "/add_worker", admin.handle_add_worker)
+    add("POST", "/remove_worker", admin.handle_remove_worker)
+    add("POST", "/drain_worker", drain.handle_drain_worker)
+    add("GET", "/list_workers", admin.handle_list_workers)
     return routes
 
 

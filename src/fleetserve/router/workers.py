@@ -61,7 +61,7 @@ class Worker:
     """One upstream server.  ``url`` is its base URL and its tenant name in the radix tree."""
 
     __slots__ = ("url", "load", "healthy", "breaker", "health_failures", "health_successes",
-                 "requests", "failures", "removed")
+                 "requests", "failures", "removed", "draining")
 
     def __init__(self, url: str, breaker: CircuitBreaker | None = None) -> None:
         self.url = url
@@ -73,10 +73,11 @@ class Worker:
         self.requests = 0
         self.failures = 0
         self.removed = False
+        self.draining = False  # POST /drain_worker: no new requests (drain.py)
 
     def available(self) -> bool:
         """Healthy, not removed, and its circuit lets a request through."""
-        return self.healthy and not self.removed and self.breaker.allows()
+        return self.healthy and not self.removed and not self.draining and self.breaker.allows()
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, load={self.load}, healthy={self.healthy})"
@@ -113,7 +114,7 @@ class WorkerRegistry:
 
     def available(self) -> list[Worker]:
         """Workers that may take a request now, in registration order."""
-        return [w for w in self.workers if w.healthy and w.breaker.allows()]
+        return [w for w in self.workers if w.healthy and not w.draining and w.breaker.allows()]
 
     def urls(self) -> list[str]:
         return [w.url for w in self.workers]

@@ -57,7 +57,7 @@ async def test_a_bad_url_is_a_400_at_once_naming_the_param(bad, InProcessRouter)
         assert body["error"]["type"] == "invalid_request_error"
         assert ("bad worker url" in body["error"]["message"]) or ("missing ?url=" in body["error"]["message"])
         assert took < 1.0
-        assert await listed(s, r.url) == {"urls": [], "workers": [], "pending": []}
+        assert await listed(s, r.url) == {"urls": [], "workers": [], "pending": [], "draining": []}
 
 
 def test_worker_urls_flag_refuses_a_bare_name_too(capsys):
@@ -81,7 +81,7 @@ async def test_a_worker_not_up_yet_answers_202_pending_then_is_added_once_health
         assert body["status"] == "pending" and body["success"] is True
         assert took < 2.0
         assert f"worker {url}: waiting up to 60 s for its health check (/health)" in caplog.text
-        assert await listed(s, r.url) == {"urls": [], "workers": [], "pending": [url]}
+        assert await listed(s, r.url) == {"urls": [], "workers": [], "pending": [url], "draining": []}
         # asking again while it is pending answers the same, without a second wait
         assert (await add(s, r.url, url))[0] == 202
         assert len(r.router.pending) == 1
@@ -115,7 +115,7 @@ async def test_a_pending_worker_that_never_answers_is_dropped_with_a_log_line(mo
     async with InProcessRouter(worker_startup_timeout_secs=0.6) as r, aiohttp.ClientSession() as s:
         assert (await add(s, r.url, url))[0] == 202
         await asyncio.sleep(1.2)
-        assert await listed(s, r.url) == {"urls": [], "workers": [], "pending": []}
+        assert await listed(s, r.url) == {"urls": [], "workers": [], "pending": [], "draining": []}
         assert f"worker {url} did not become healthy within 0.6 s: not added" in caplog.text
         # and /remove_worker ends a pending wait
         assert (await add(s, r.url, url))[0] == 202
