@@ -14,6 +14,11 @@ Methods (``--load-balance-method``, SGLang's names):
   the rank that has waited longest since its last assignment, so equal loads
   still spread out.
 
+A request may name its rank (SGLang's ``routed_dp_rank``, vLLM's
+``X-data-parallel-rank`` header): it goes there whatever the method says, its
+tokens count on that rank, and, as in SGLang's controller, it does not move
+the round-robin turn.
+
 The controller only counts what passed through it; :meth:`observe_load`
 lets a scheduler's own report (e.g. ``SchedulerStats``) override a rank's
 figure when it is known better (cached prefixes, retractions).
@@ -61,16 +66,24 @@ class DPController:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------- decisions
-    def assign(self, rid: str, num_prompt_tokens: int) -> int:
+    def assign(self, rid: str, num_prompt_tokens: int, routed_rank: int | None = None) -> int:
         """Choose the rank for request ``rid`` and count its prompt on that rank.
 
+        Args:
+            routed_rank: the rank the request names (None: the method decides).
+
         Raises:
-            ValueError: ``rid`` is already assigned and unfinished.
+            ValueError: ``rid`` is already assigned and unfinished, or ``routed_rank``
+                is outside ``[0, dp_size)``.
         """
         with self._lock:
             if rid in self._reqs:
                 raise ValueError(f"request {rid!r} is already assigned to rank {self._reqs[rid].rank}")
-            if self.method == "round_robin":
+            if routed_rank is not None:
+                if not 0 <= routed_rank < self.dp_size:
+                    raise ValueError(f"routed_dp_rank={routed_rank} out of range [0, {self.dp_size})")
+                rank = int(routed_rank)
+            elif self.method == "round_robin":
                 rank = self._rr
                 self._rr = (self._rr + 1) % self.dp_size
             else:

@@ -13,7 +13,8 @@ import threading
 import zmq
 
 from fleetserve.engine.dp_controller import DPController
-from fleetserve.engine.io_frames import ABORT, GENERATE, TOKENS, FrameError, Header, read_header
+from fleetserve.engine.io_frames import ABORT, GENERATE, TOKENS, FrameError, Header, encode, read_header
+from fleetserve.engine.io_struct import BatchTokenOut, ReqOutput
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +28,14 @@ class DPRelay:
     replica ``d``, connects its PULL there) and one PULL that every such rank
     pushes its outputs to (``outputs_endpoint``).
 
-    Routing: a generate request goes to :meth:`DPController.assign`'s rank; an
+    Routing: a generate request goes to :meth:`DPController.assign`'s rank (the
+    rank its header names, if any); an
     abort to the rank serving it (to all when unknown); flush and stats requests
     to every rank. Outputs are forwarded unchanged and update the controller's
-    loads (tokens generated, finished requests) from their header. Frames without
-    a readable header are logged and dropped.
+    loads (tokens generated, finished requests) from their header. A generate
+    request the controller refuses (its id already running, a routed rank out of
+    range) is answered at once with a finished abort output. Frames without a
+    readable header are logged and dropped.
 
     Args:
         controller: the :class:`DPController`.
@@ -91,9 +95,11 @@ class DPRelay:
         """Send a request to the rank(s) it belongs to."""
         if header.kind == GENERATE:
             try:
-                rank = self.controller.assign(header.rid, header.num_tokens)
-            except ValueError:
-                logger.exception("request %s dropped by the DP relay", header.rid)
+                rank = self.controller.assign(header.rid, header.num_tokens, header.routed_dp_rank)
+            except ValueError as e:  # end it for its client rather than leave it waiting
+                logger.warning("request %s refused by the DP relay: %s", header.rid, e)
+                out = ReqOutput(header.rid, [], True, {"type": "abort", "message": str(e)}, header.num_tokens, 0, 0)
+                self.to_tm.send_multipart(encode(BatchTokenOut([out])))
                 return
             self.to_ranks[rank].send_multipart(frames)
             return

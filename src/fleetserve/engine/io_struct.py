@@ -35,6 +35,9 @@ class TokenizedGenerateReq:
         logprob_start_len: first prompt position to return logprobs for
             (``-1``: none; ``0``: the whole prompt, as for OpenAI ``echo``).
         stream: send tokens as they are generated (else only at the end).
+        routed_dp_rank: the DP rank that must serve it (SGLang's ``routed_dp_rank``,
+            vLLM's ``X-data-parallel-rank``), checked against ``dp_size`` by the HTTP side;
+            None: the DP controller chooses.
     """
 
     rid: str
@@ -44,6 +47,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     stream: bool = False
+    routed_dp_rank: int | None = None
 
 
 @dataclass
@@ -107,7 +111,13 @@ class BatchTokenOut:
 
 @dataclass
 class SchedulerStats:
-    """A scheduler's gauges and counters (for /metrics and /get_server_info)."""
+    """A scheduler's gauges and counters (for /metrics, /get_server_info, /v1/loads, /get_load).
+
+    Token figures are in tokens (KV slots). ``kv_used_tokens``: held by running
+    requests (SGLang's ``num_used_tokens``); ``num_waiting_uncached_tokens``,
+    ``num_pending_tokens`` and ``gen_throughput`` (tokens/s): see
+    :mod:`fleetserve.engine.load_report`.
+    """
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -121,3 +131,7 @@ class SchedulerStats:
     kv_events_published: int = 0  # KV-event batches sent (--kv-events-config), since start
     kv_events_dropped: int = 0  # KV-event batches dropped on a full queue, since start
     dp_rank: int = 0
+    num_waiting_uncached_tokens: int = 0
+    num_pending_tokens: int = 0
+    max_running_requests: int = 0
+    gen_throughput: float = 0.0

@@ -47,6 +47,7 @@ import torch
 from fleetserve.engine.args import ServerArgs
 from fleetserve.core.forward_batch import ForwardMode
 from fleetserve.engine.io_struct import ReqOutput, SchedulerStats, TokenizedGenerateReq
+from fleetserve.engine.load_report import ThroughputMeter, pending_tokens, waiting_uncached_tokens
 from fleetserve.engine.radix_cache import RadixCache, check_kv_invariant
 from fleetserve.engine.req import Req
 from fleetserve.engine.sampler import Sampler, top_logprob_list
@@ -105,6 +106,7 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.cached_prompt_tokens_total = 0
+        self.gen_meter = ThroughputMeter()
         self._pending_outputs: list[ReqOutput] = []  # finished outside a batch (rare KV aborts)
 
     # ================================================================ requests
@@ -173,6 +175,10 @@ class Scheduler:
             kv_bytes_per_token=int(getattr(getattr(self.runner, "kv_pool", None), "bytes_per_token", 0) or 0),
             kv_events_published=int(getattr(self.event_sink, "published", 0)),
             kv_events_dropped=int(getattr(self.event_sink, "dropped", 0)),
+            num_waiting_uncached_tokens=waiting_uncached_tokens(self.waiting, self.chunked_req, self.cache),
+            num_pending_tokens=pending_tokens(self.waiting, self.chunked_req),
+            max_running_requests=self.max_running,
+            gen_throughput=self.gen_meter.rate(),
         )
 
     # ==================================================================== step
@@ -191,6 +197,7 @@ class Scheduler:
             outputs = self._pending_outputs + outputs
             self._pending_outputs = []
         self._end_step_events()
+        self.gen_meter.record(self.generation_tokens_total)
         if self.check_invariants:
             self.check_kv()
         return outputs

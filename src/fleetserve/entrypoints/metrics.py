@@ -18,6 +18,10 @@ Names follow SGLang's ``sglang:*`` metrics with our prefix:
   after the first, spread evenly over a message that carried several tokens),
   ``fleetserve:e2e_request_latency_seconds``.
 
+The same scheduler figures also appear under SGLang's and vLLM's names
+(``sglang:num_running_reqs``, ``vllm:num_requests_waiting``, ...; one series
+per DP rank), listed in :mod:`fleetserve.entrypoints.metrics_compat`.
+
 Each :class:`EngineMetrics` owns its own ``CollectorRegistry`` so several apps
 can live in one process (tests).
 """
@@ -30,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from fleetserve.engine.io_struct import SchedulerStats
+from fleetserve.entrypoints.metrics_compat import PeerMetricsCollector
 
 # Bucket edges in seconds; CPU serving is slow, so they reach further than a GPU's.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -74,6 +79,8 @@ class EngineMetrics:
         self.e2e = Histogram(
             "fleetserve:e2e_request_latency_seconds", "End-to-end request latency", lab, buckets=E2E_BUCKETS, registry=r
         )
+        self.ranks: list[SchedulerStats] = []  # latest stats per DP rank, for the SGLang / vLLM names
+        r.register(PeerMetricsCollector(model_name, lambda: self.ranks))
 
     def _l(self, metric):
         return metric.labels(model_name=self.model_name)
@@ -81,6 +88,7 @@ class EngineMetrics:
     def set_stats(self, stats: Iterable[SchedulerStats]) -> dict[str, float]:
         """Set the gauges from the latest stats of every DP rank; return the summed values."""
         stats = list(stats)
+        self.ranks = stats
         total = {
             "num_running_reqs": sum(s.num_running_reqs for s in stats),
             "num_waiting_reqs": sum(s.num_waiting_reqs for s in stats),

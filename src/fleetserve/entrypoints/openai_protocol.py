@@ -68,6 +68,8 @@ class _SamplingFields(_Strict):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
+    # SGLang's extra field: the DP rank to serve the request (checked by validation.resolve_routed_dp_rank)
+    routed_dp_rank: Any = None
 
 
 # A prompt for /v1/completions: text, texts, token ids, or lists of token ids.
@@ -129,6 +131,8 @@ class GenerateRequest(_Strict):
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    routed_dp_rank: Any = None  # checked by validation.resolve_routed_dp_rank
+    data_parallel_rank: Any = None  # SGLang's older name for routed_dp_rank
 
 
 class AbortRequest(_Strict):

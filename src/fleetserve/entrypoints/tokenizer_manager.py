@@ -316,13 +316,14 @@ class TokenizerManager:
                                          len(s.req.input_ids), s.completion_tokens, 0))
 
     def abort_request(self, rid: str) -> bool:
-        """Abort by request id (``/abort_request``); True when it was running here."""
-        s = self.streams.get(rid)
-        if s is not None:
-            s.abort()
-            return True
+        """Abort by request id (``/abort_request``); True when it was running here.
+
+        The scheduler frees the request and answers with its abort output, which
+        ends the request's stream like any last output, so its client gets the
+        tokens so far and ``finish_reason`` abort instead of waiting forever.
+        """
         self.send_abort(rid)
-        return False
+        return rid in self.streams
 
     async def flush_cache(self, timeout: float = 5.0) -> bool:
         """Ask every scheduler to empty its radix cache; True when all did.
@@ -428,8 +429,13 @@ class TokenizerManager:
     # ---------------------------------------------------------------- submitting
     def submit(self, input_ids: list[int], sampling: SamplingParams, *, return_logprob: bool = False,
                top_logprobs_num: int = 0, logprob_start_len: int = -1, stream: bool = False,
-               rid: str | None = None) -> list[GenerationStream]:
-        """Send ``sampling.n`` requests for one prompt; return their streams (index order)."""
+               rid: str | None = None, routed_dp_rank: int | None = None) -> list[GenerationStream]:
+        """Send ``sampling.n`` requests for one prompt; return their streams (index order).
+
+        ``routed_dp_rank`` (checked by the caller, see
+        :func:`fleetserve.entrypoints.validation.resolve_routed_dp_rank`) sends every
+        sample to that DP rank; None lets the DP controller choose.
+        """
         n = sampling.n
         base = rid or uuid.uuid4().hex
         streams = []
@@ -446,6 +452,7 @@ class TokenizerManager:
                 logprob_start_len=logprob_start_len,
                 # Always stream from the scheduler: stop strings are checked here as tokens arrive.
                 stream=True,
+                routed_dp_rank=routed_dp_rank,
             )
             if req.rid in self.streams:
                 raise APIError(f"request id {req.rid!r} is already running", 400, "rid")

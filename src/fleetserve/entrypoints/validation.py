@@ -305,3 +305,47 @@ def generate_rids(rid: str | list[str] | None, count: int) -> list[str | None]:
     if len(rids) != count:
         raise APIError("rid list must have one entry per prompt", 400, "rid")
     return rids
+
+
+# ------------------------------------------------------------ routed DP rank
+
+DP_RANK_HEADER = "x-data-parallel-rank"  # vLLM's X-data-parallel-rank, SGLang's X-Data-Parallel-Rank
+
+
+def resolve_routed_dp_rank(body_rank: Any, header_rank: str | None, dp_size: int,
+                           body_param: str = "routed_dp_rank") -> int | None:
+    """The DP rank a request names, checked against ``dp_size``; None when it names none.
+
+    The ``X-data-parallel-rank`` header wins over the body field (SGLang's order; vLLM
+    reads only the header). As in SGLang's tokenizer manager, rank 0 on an instance
+    with ``dp_size == 1`` is accepted and ignored (None).
+
+    Args:
+        body_rank: the body's ``routed_dp_rank`` (or SGLang's older ``data_parallel_rank``), any JSON value.
+        header_rank: the header's raw text, or None when absent.
+        dp_size: the instance's ``--dp-size`` (>= 1).
+        body_param: the body field's name, for errors.
+
+    Raises:
+        APIError(400): the header is not an integer (``param`` None, message as SGLang's);
+            the body value is not an integer (bools are not); the rank is outside
+            ``[0, dp_size)`` (message ``routed_dp_rank=R out of range [0, dp_size)``, SGLang's).
+    """
+    param = body_param
+    rank: Any = body_rank
+    if header_rank is not None:
+        try:
+            rank = int(header_rank.strip())
+        except ValueError:
+            raise APIError(f"Invalid X-Data-Parallel-Rank header: must be an integer, got '{header_rank}'",
+                           400, None) from None
+        param = None
+    if rank is None:
+        return None
+    if not _is_int(rank):
+        raise APIError(f"{body_param} must be an integer in [0, {dp_size}), got {rank!r}", 400, param)
+    if dp_size <= 1 and rank == 0:
+        return None
+    if not 0 <= rank < dp_size:
+        raise APIError(f"routed_dp_rank={rank} out of range [0, {dp_size})", 400, param)
+    return rank

@@ -44,3 +44,18 @@ def test_reported_load_overrides_and_bad_input_is_refused():
         DPController(2, "random")
     with pytest.raises(ValueError, match="dp_size"):
         DPController(0)
+
+
+def test_routed_rank_wins_counts_there_and_keeps_the_round_robin_turn():
+    c = DPController(2, "round_robin")
+    assert c.assign("a", 10) == 0
+    assert c.assign("b", 20, routed_rank=0) == 0      # named rank, though rank 1 had the turn
+    assert c.assign("c", 5) == 1                      # the turn did not move
+    assert c.loads() == [30, 5] and c.num_requests() == [2, 1]
+    s = DPController(2, "shortest_queue")
+    s.assign("x", 100)
+    assert s.assign("y", 1, routed_rank=0) == 0       # shortest queue would say 1
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match=r"routed_dp_rank=-?\d out of range \[0, 2\)"):
+            s.assign(f"bad{bad}", 1, routed_rank=bad)
+    assert s.rank_of("bad2") is None

@@ -92,3 +92,22 @@ def test_relay_routes_by_header_and_forwards_payload_bytes_untouched(make_net):
     net.tm_push.send_multipart([encode(AbortReq("x"))[0], opaque])
     assert net.ranks[0].poll(3000) and net.ranks[0].recv_multipart()[1] == opaque
     assert not net.ranks[1].poll(200)
+
+
+def test_relay_sends_a_routed_request_to_its_rank_and_refuses_impossible_ones(make_net):
+    net = make_net("round_robin")
+    sp = SamplingParams(max_new_tokens=4)
+    net.tm_push.send_multipart(encode(TokenizedGenerateReq("p", [1, 2, 3], sp, routed_dp_rank=1)))
+    assert _recv(net.ranks[1]).rid == "p"                     # round robin alone would pick rank 0
+    net.tm_push.send_multipart(encode(TokenizedGenerateReq("q", [1, 2], sp)))
+    assert _recv(net.ranks[0]).rid == "q"                     # the turn was not used up
+    assert net.controller.loads() == [2, 3]
+    net.tm_push.send_multipart(encode(TokenizedGenerateReq("p", [1], sp)))   # "p" still runs: refused
+    got = _recv(net.tm_pull)
+    assert isinstance(got, BatchTokenOut) and got.outputs[0].rid == "p" and got.outputs[0].finished
+    assert got.outputs[0].finish_reason["type"] == "abort" and "already assigned" in got.outputs[0].finish_reason["message"]
+    net.tm_push.send_multipart(encode(TokenizedGenerateReq("r", [1], sp, routed_dp_rank=5)))
+    got = _recv(net.tm_pull)
+    assert got.outputs[0].rid == "r" and got.outputs[0].finish_reason["message"] == "routed_dp_rank=5 out of range [0, 2)"
+    assert not net.ranks[0].poll(200) and not net.ranks[1].poll(0)
+    assert net.controller.loads() == [2, 3]

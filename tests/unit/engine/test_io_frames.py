@@ -37,3 +37,15 @@ def test_bad_frames_raise_frame_error():
         read_header([b"{not json", b"payload"])
     with pytest.raises(FrameError, match="unreadable header"):
         read_header([b'["generate", "r"]', b"payload"])  # too few fields
+
+
+def test_generate_header_carries_the_routed_dp_rank_only_when_set():
+    sp = SamplingParams(max_new_tokens=3)
+    routed = encode(TokenizedGenerateReq("g", [1, 2, 3], sp, routed_dp_rank=1))
+    assert routed[0] == b'["generate","g",3,[],1]'
+    assert read_header(routed) == Header(GENERATE, "g", 3, routed_dp_rank=1)
+    plain = encode(TokenizedGenerateReq("g", [1, 2, 3], sp))
+    assert plain[0] == b'["generate","g",3,[]]'            # unchanged wire bytes without a rank
+    assert read_header(plain).routed_dp_rank is None
+    with pytest.raises(FrameError, match="6 header fields"):
+        read_header([b'["generate","g",3,[],1,2]', b"payload"])

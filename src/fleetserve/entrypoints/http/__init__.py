@@ -11,6 +11,8 @@ Routes (OpenAI-compatible and SGLang-native), by the module that holds them:
 ``GET  /health_generate``       admin.py        runs a one-token generation
 ``GET  /get_model_info``        admin.py        model path, context length, vocabulary size
 ``GET  /get_server_info``       admin.py        server arguments plus the schedulers' live stats
+``GET  /v1/loads``              loads.py        SGLang: per-DP-rank load (``dp_rank``, ``include``, ``format``)
+``GET  /get_load``              loads.py        SGLang's older per-DP-rank load list
 ``POST /flush_cache``           admin.py        empty the radix cache
 ``POST /abort_request``         admin.py        abort by request id
 ``GET  /metrics``               admin.py        Prometheus text format

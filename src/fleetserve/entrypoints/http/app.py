@@ -6,14 +6,14 @@ from typing import Any, Callable
 
 from fastapi import FastAPI
 
-from fleetserve.entrypoints.http import admin, chat, completions, native
+from fleetserve.entrypoints.http import admin, chat, completions, loads, native
 from fleetserve.entrypoints.http.auth import APIKeyMiddleware
 from fleetserve.entrypoints.http.errors import install_error_handlers
 from fleetserve.entrypoints.http.lifespan import lifespan
 from fleetserve.entrypoints.http.state import DEFAULT_MAX_REQUEST_BYTES, ServerState
 from fleetserve.entrypoints.tokenizer_manager import TokenizerManager
 
-ROUTERS = (admin.router, native.router, completions.router, chat.router)
+ROUTERS = (admin.router, loads.router, native.router, completions.router, chat.router)
 
 
 def create_app(

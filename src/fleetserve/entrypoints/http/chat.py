@@ -38,11 +38,13 @@ async def create_chat_completion(request: Request) -> Response:
     tm, info = state.tm, state.info
     req = await read_request(request, ChatCompletionRequest, state.max_request_bytes)
     state.check_model(req.model)
+    routed = state.routed_dp_rank(request, req.routed_dp_rank)
     check_chat_request(req)
     ids = tm.apply_chat_template(chat_messages(req), req.tools, req.add_generation_prompt,
                                  req.continue_final_message, req.chat_template_kwargs)
     sp = chat_sampling(req, prompt_len=len(ids), vocab_size=info.vocab_size, context_length=info.context_length)
-    streams = submit_all(state, [ids], [sp], return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0)
+    streams = submit_all(state, [ids], [sp], return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
+                         routed_dp_rank=routed)
     answer = ChatAnswer(tm, state.model_name, req, random_id("chatcmpl"))
     return await respond(request, streams, stream=bool(req.stream), build=answer.build, chunks=answer.chunks)
 

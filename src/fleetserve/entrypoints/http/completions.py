@@ -33,13 +33,14 @@ async def create_completion(request: Request) -> Response:
     tm, info = state.tm, state.info
     req = await read_request(request, CompletionRequest, state.max_request_bytes)
     state.check_model(req.model)
+    routed = state.routed_dp_rank(request, req.routed_dp_rank)
     check_completion_request(req)
     prompts = completion_prompts(req.prompt, tm.encode, info.vocab_size)
     sampling = [completion_sampling(req, prompt_len=len(p), vocab_size=info.vocab_size,
                                     context_length=info.context_length) for p in prompts]
     want_lp = req.logprobs is not None
     streams = submit_all(state, prompts, sampling, return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
-                         logprob_start_len=0 if (want_lp and req.echo) else -1)
+                         logprob_start_len=0 if (want_lp and req.echo) else -1, routed_dp_rank=routed)
     answer = CompletionAnswer(tm, state.model_name, req, random_id("cmpl"), prompts)
     return await respond(request, streams, stream=bool(req.stream), build=answer.build, chunks=answer.chunks)
 

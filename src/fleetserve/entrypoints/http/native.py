@@ -30,13 +30,18 @@ async def generate(request: Request) -> Response:
     state = server_state(request)
     tm, info = state.tm, state.info
     req = await read_request(request, GenerateRequest, state.max_request_bytes)
+    if req.routed_dp_rank is None and req.data_parallel_rank is not None:  # SGLang's older name
+        routed = state.routed_dp_rank(request, req.data_parallel_rank, "data_parallel_rank")
+    else:
+        routed = state.routed_dp_rank(request, req.routed_dp_rank)
     prompts = generate_prompts(req, tm.encode, info.vocab_size)
     raw_sampling = generate_sampling_dicts(req.sampling_params, len(prompts))
     rids = generate_rids(req.rid, len(prompts))
     sampling = [native_sampling(d, prompt_len=len(p), vocab_size=info.vocab_size, context_length=info.context_length)
                 for p, d in zip(prompts, raw_sampling)]
     streams = submit_all(state, prompts, sampling, rids, return_logprob=req.return_logprob,
-                         top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
+                         top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len,
+                         routed_dp_rank=routed)
     answer = GenerateAnswer(req, streams, batch=generate_is_batch(req), t0=time.perf_counter())
     return await respond(request, streams, stream=req.stream, build=answer.build, chunks=answer.chunks)
 

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 
 from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.tokenizer_manager import ModelInfo, TokenizerManager
+from fleetserve.entrypoints.validation import DP_RANK_HEADER, resolve_routed_dp_rank
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
@@ -44,6 +45,18 @@ class ServerState:
     def model_name(self) -> str:
         """The name clients send as ``model``."""
         return self.tm.info.served_model_name
+
+    @property
+    def dp_size(self) -> int:
+        """``--dp-size``: how many DP ranks (schedulers with their own queue) serve requests."""
+        return int(self.server_args.get("dp_size") or 1)
+
+    def routed_dp_rank(self, request: Request, body_rank: Any, body_param: str = "routed_dp_rank") -> int | None:
+        """The DP rank ``request`` names (``X-data-parallel-rank`` header, else ``body_rank``); None: any.
+
+        Raises APIError(400) as :func:`~fleetserve.entrypoints.validation.resolve_routed_dp_rank`.
+        """
+        return resolve_routed_dp_rank(body_rank, request.headers.get(DP_RANK_HEADER), self.dp_size, body_param)
 
     def engine_running(self) -> bool:
         """False once a scheduler process is known to have exited."""
