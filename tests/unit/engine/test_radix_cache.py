@@ -76,7 +76,7 @@ def tree_pages(cache):
 
 
 class Model:
-    """Reference: prefix tuple -> slot of its last token, for every cached token."""
+    """Reference: (tokens up to the end of token j's page, j) -> slot of token j, for every cached token."""
 
     def __init__(self, disable: bool, ps: int = 1):
         self.ps = ps
@@ -98,12 +98,14 @@ class Model:
         assert self.sink.mirror == tree_pages(self.cache)
         assert len(self.sink.mirror) == self.cache.total_size() // self.ps
 
+    def key(self, seq, j):
+        return tuple(seq[: j - j % self.ps + self.ps]), j
+
     def expected_match(self, seq):
         m = 0
-        while m < len(seq) and tuple(seq[: m + 1]) in self.ref:
-            m += 1
-        m -= m % self.ps  # whole pages only
-        return [self.ref[tuple(seq[: i + 1])] for i in range(m)]
+        while m + self.ps <= len(seq) and self.key(seq, m) in self.ref:
+            m += self.ps  # whole pages only
+        return [self.ref[self.key(seq, i)] for i in range(m)]
 
     def start(self, seq):
         slots, node = self.cache.match_prefix(seq)
@@ -136,9 +138,10 @@ class Model:
             if whole < len(r["seq"]):
                 self.alloc.free(full[whole:])  # the partial last page stays out of the tree
             for j in range(n, whole):
-                self.ref[tuple(r["seq"][: j + 1])] = int(full[j])
+                assert self.key(r["seq"], j) not in self.ref
+                self.ref[self.key(r["seq"], j)] = int(full[j])
             again, _ = self.cache.match_prefix(r["seq"])
-            assert again.tolist() == [self.ref[tuple(r["seq"][: j + 1])] for j in range(whole)]
+            assert again.tolist() == [self.ref[self.key(r["seq"], j)] for j in range(whole)]
         self.cache.dec_lock_ref(r["node"])
 
     def abort(self, i):
@@ -182,7 +185,7 @@ def _random_ops(ps, data):
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_radix_cache_random_ops_keep_invariant(ps, data):
     _random_ops(ps, data)
@@ -280,3 +283,14 @@ def test_reset_refuses_while_locked():
     cache.dec_lock_ref(node)
     cache.reset()
     assert cache.allocator.available_size() == 10
+
+
+def test_pages_differing_in_their_last_token_are_siblings():
+    cache = RadixCache(32, page_size=4)
+    a, b = cache.allocator.alloc(4), cache.allocator.alloc(4)
+    assert cache.insert([1, 0, 0, 0], a) == 0 and cache.insert([1, 0, 0, 1], b) == 0
+    assert len(cache.root.children) == 2
+    assert cache.match_prefix([1, 0, 0, 1, 5])[0].tolist() == b.tolist()
+    assert cache.match_prefix([1, 0, 0, 0])[0].tolist() == a.tolist()
+    assert cache.match_prefix([1, 0, 0, 2])[0].numel() == 0
+    check_kv_invariant(cache.allocator, cache)
