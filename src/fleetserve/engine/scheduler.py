@@ -26,6 +26,11 @@ KV goes to the tree, it returns to the front of the waiting queue with its
 output so far, and its next prefill continues exactly where it stopped (its
 seeded generator is kept, so sampled outputs are unchanged too).
 
+Paging (``--page-size N``): a request's next tokens take the rest of its last
+page before a fresh page (:meth:`Scheduler._alloc_for`, :meth:`Scheduler._decode_loc`);
+the tree takes whole pages only, so a partial last page stays the request's
+own and is freed when it finishes, is retracted or aborted.
+
 DP attention hook: ``dp_hook(scheduler, batch_or_None) -> batch_or_None`` is
 called between batch formation and the forward. Under DP attention it
 all-gathers every rank's ``batch.num_tokens`` (0 for None), returns
