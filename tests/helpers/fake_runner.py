@@ -20,14 +20,15 @@ torch.set_num_threads(1)
 class FakeRunner:
     M = 257  # number of distinct logit rows
 
-    def __init__(self, pool_size=512, vocab_size=50, max_context_len=1024, eos_token_ids=(), seed=0):
-        self.allocator = TokenSlotAllocator(pool_size)
+    def __init__(self, pool_size=512, vocab_size=50, max_context_len=1024, eos_token_ids=(), seed=0, page_size=1):
+        self.allocator = TokenSlotAllocator(pool_size, page_size)
         self.vocab_size = vocab_size
         self.max_context_len = max_context_len
         self.eos_token_ids = list(eos_token_ids)
         self.device = "cpu"
-        self.tok = torch.full((pool_size + 1,), -1, dtype=torch.int64)
-        self.pos = torch.full((pool_size + 1,), -1, dtype=torch.int64)
+        rows = self.allocator.max_slot + 1  # paged: the last page ends past pool_size
+        self.tok = torch.full((rows,), -1, dtype=torch.int64)
+        self.pos = torch.full((rows,), -1, dtype=torch.int64)
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randn(self.M, vocab_size, generator=g) * 3.0
         self.forwards = []  # (mode, batch size, num tokens) per call
@@ -62,7 +63,8 @@ class FakeRunner:
 
 
 def make_scheduler(pool_size=512, vocab_size=50, eos=(), **kw):
-    runner = FakeRunner(pool_size=pool_size, vocab_size=vocab_size, eos_token_ids=eos)
+    runner = FakeRunner(pool_size=pool_size, vocab_size=vocab_size, eos_token_ids=eos,
+                        page_size=kw.get("page_size", 1))
     kw.setdefault("random_seed", 0)
     args = ServerArgs(**kw)
     return Scheduler(args, runner, check_invariants=True)

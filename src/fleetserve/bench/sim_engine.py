@@ -29,6 +29,11 @@ Cache semantics per request (those of the engine's scheduler,
   concurrent requests with the same prefix hit it while this one decodes;
 * on finish, insert ``input_ids + output_ids[:-1]`` (the tokens whose KV was
   computed), free duplicate and unused slots, unlock.
+
+With ``page_size > 1`` (``--page-size``) slots come in whole pages, matches
+are rounded down to whole pages and the tree takes only whole pages: a
+request's partial last page (prompt tail, then outputs) stays its own and is
+freed when it finishes, as in the engine.
 """
 
 from __future__ import annotations
@@ -92,8 +97,9 @@ class SimEngine:
         self.model = model
         self.name = name
         self.event_sink = event_sink
-        self.cache = RadixCache(model.max_total_tokens, event_sink=event_sink)
+        self.cache = RadixCache(model.max_total_tokens, page_size=model.page_size, event_sink=event_sink)
         self.allocator = self.cache.allocator
+        self.capacity = self.allocator.size  # whole pages of max_total_tokens
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self._wake = asyncio.Event()
@@ -119,9 +125,9 @@ class SimEngine:
 
     def submit(self, req: SimRequest) -> None:
         """Queue ``req``. Raises :class:`RequestTooLong` if it can never fit."""
-        if len(req.input_ids) + req.max_new_tokens > self.model.max_total_tokens:
+        if len(req.input_ids) + req.max_new_tokens > self.capacity:
             raise RequestTooLong(f"prompt ({len(req.input_ids)} tokens) + max_tokens ({req.max_new_tokens}) "
-                                 f"exceeds the KV capacity ({self.model.max_total_tokens} tokens)")
+                                 f"exceeds the KV capacity ({self.capacity} tokens)")
         if not req.input_ids:
             raise ValueError("empty prompt")
         self.waiting.append(req)
@@ -212,7 +218,7 @@ class SimEngine:
                     break
             self.cache.inc_lock_ref(node)
             need = uncached + r.max_new_tokens
-            short = need - self.allocator.available_size()
+            short = need + (-need) % self.allocator.page_size - self.allocator.available_size()
             if short > 0:
                 self.cache.evict(short)
             own = self.allocator.alloc(need)
@@ -241,7 +247,8 @@ class SimEngine:
         self.cache.inc_lock_ref(node)
         self.cache.dec_lock_ref(r._node)
         r._node, r._prefix_slots = node, tree_slots
-        r._own_slots = r._own_slots[n_prompt:]  # what is left: the output's reserved slots
+        # what is left: a partial last prompt page (paging), then the output's reserved slots
+        r._own_slots = r._own_slots[int(tree_slots.numel()) - r.cached_tokens:]
 
     def _emit(self, r: SimRequest, n: int) -> None:
         r.generated += n
@@ -258,19 +265,21 @@ class SimEngine:
     def _release(self, r: SimRequest) -> None:
         """Hand the request's computed KV to the radix cache and free the rest.
 
-        Called after :meth:`_cache_prompt`: the tree already holds the prompt
-        (``r._prefix_slots``), ``r._own_slots`` are the output's reserved slots.
+        Called after :meth:`_cache_prompt`: the tree already holds the prompt's
+        whole pages (``r._prefix_slots``), ``r._own_slots`` are the slots of the
+        tokens after them (a partial prompt page, then the output's reservation).
         """
         r.finished = True
         n_out = max(r.generated - 1, 0)  # output tokens whose KV was computed
         own = r._own_slots
         tokens = r.input_ids + r.output_ids[:n_out]
         base = int(r._prefix_slots.numel())
-        n_present = self.cache.insert(tokens, torch.cat([r._prefix_slots, own[:n_out]]))
+        n_present = self.cache.insert(tokens, torch.cat([r._prefix_slots, own[:len(tokens) - base]]))
         if n_present > base:
             self.allocator.free(own[:n_present - base])
-        if own.numel() > n_out:
-            self.allocator.free(own[n_out:])
+        kept = self.cache.page_aligned(len(tokens)) - base  # own slots the tree now holds (from n_present on)
+        if own.numel() > kept:
+            self.allocator.free(own[kept:])
         self.cache.dec_lock_ref(r._node)
         r._own_slots = r._prefix_slots = r._node = None
 

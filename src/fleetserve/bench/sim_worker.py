@@ -132,7 +132,7 @@ class SimWorker:
         return body
 
     def _new_request(self, input_ids: list[int], max_new: int) -> SimRequest:
-        cap = self.engine.model.max_total_tokens
+        cap = self.engine.capacity
         if len(input_ids) + max_new > cap:  # before synthesizing a huge output
             raise RequestTooLong(f"prompt ({len(input_ids)} tokens) + max_tokens ({max_new}) exceeds the KV "
                                  f"capacity ({cap} tokens)")

@@ -10,7 +10,9 @@ An engine alternates two kinds of steps (SGLang's default scheduling, prefill fi
   ``decode_base_s + decode_per_req_s * b + decode_per_ctx_token_s * ctx``.
 
 At most ``max_running_requests`` run at once and their KV must fit in
-``max_total_tokens`` slots (the radix cache evicts LRU prefixes to make room).
+``max_total_tokens`` slots (the radix cache evicts LRU prefixes to make room),
+allocated in pages of ``page_size`` slots (SGLang's ``--page-size``; the cache
+then reuses whole pages only).
 
 Profiles (every constant can be overridden by a flag):
 
@@ -53,6 +55,7 @@ class TimingModel:
     max_running_requests: int = 256
     max_total_tokens: int = 430_000
     chunked_prefill_size: int = 8192
+    page_size: int = 1  # KV slots per page, as the engine's --page-size
     time_scale: float = 1.0  # every duration is multiplied by this (slow the simulation down)
 
     def prefill_time(self, uncached_tokens: int) -> float:
@@ -96,4 +99,11 @@ def from_args(args: argparse.Namespace) -> TimingModel:
     m = TimingModel(**base)
     if m.max_total_tokens <= 0 or m.max_running_requests <= 0 or m.chunked_prefill_size <= 0 or m.time_scale <= 0:
         raise ValueError("max_total_tokens, max_running_requests, chunked_prefill_size and time_scale must be > 0")
+    if m.page_size < 1:
+        raise ValueError(f"--page-size must be >= 1, got {m.page_size}")
+    if m.chunked_prefill_size % m.page_size:
+        raise ValueError(f"--page-size ({m.page_size}) must divide --chunked-prefill-size ({m.chunked_prefill_size})")
+    if m.max_total_tokens < m.page_size:
+        raise ValueError(f"--page-size ({m.page_size}) is larger than the KV pool "
+                         f"(--max-total-tokens {m.max_total_tokens})")
     return m

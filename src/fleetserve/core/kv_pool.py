@@ -9,7 +9,9 @@ Two parts, kept apart as in SGLang:
   key ``k_pe`` (DeepSeek MLA), which is why MLA's KV is small.
 
 Slot 0 is reserved as a scratch slot: padded or dummy tokens write there, so
-valid slots are ``1 .. size``.
+valid slots are ``1 .. size`` (with ``--page-size N > 1``: slots ``N .. size + N - 1``,
+pages ``1 .. size // N``; the storage then needs ``size + N`` rows, see
+``TokenSlotAllocator.max_slot``).
 """
 
 from __future__ import annotations
@@ -18,48 +20,128 @@ import torch
 
 
 class TokenSlotAllocator:
-    """Free list of KV slots ``1 .. size``.
+    """Free list of KV slots, handed out in pages of ``page_size`` contiguous slots.
 
     Args:
-        size: number of usable token slots.
+        size: KV pool size in tokens. Rounded down to whole pages (SGLang does
+            the same); ``self.size`` is the usable slot count.
+        page_size: slots per page (``--page-size``, default 1). Page ``p`` is
+            slots ``[p * page_size, (p + 1) * page_size)``; pages ``1 .. num_pages``
+            are usable, page 0 holds the scratch slot 0. With ``page_size == 1``
+            the valid slots are ``1 .. size`` exactly as before paging existed.
+
+    Raises:
+        ValueError: ``size`` not positive, ``page_size < 1``, or a pool smaller than one page.
+
+    Paging follows SGLang's ``PagedTokenToKVPoolAllocator`` (mem_cache/allocator.py):
+    a request fills its last page before it takes a new one (:meth:`alloc_extend`),
+    and a page is freed as a whole (:meth:`free` frees every page it is given a slot of).
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, page_size: int = 1):
         if size <= 0:
             raise ValueError(f"KV pool size must be positive, got {size}")
-        self.size = size
+        if page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {page_size}")
+        if size < page_size:
+            raise ValueError(f"--page-size {page_size} does not fit in the KV pool of {size} tokens "
+                             f"(--max-total-tokens); the pool must hold at least one page")
+        self.page_size = int(page_size)
+        self.num_pages = int(size) // self.page_size
+        self.size = self.num_pages * self.page_size
+        #: largest valid slot index (KV buffers need ``max_slot + 1`` rows)
+        self.max_slot = self.size + self.page_size - 1
         self.clear()
 
     def clear(self) -> None:
-        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
-        self._num_free = self.size
+        if self.page_size == 1:
+            self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+        else:
+            self._free = torch.arange(1, self.num_pages + 1, dtype=torch.int64)  # page ids
+        self._num_free = self._free.numel()
 
     def available_size(self) -> int:
-        return self._num_free
+        """Free slots (tokens); always whole pages."""
+        return self._num_free * self.page_size
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """Take ``n`` slots; int64 ``[n]``, or ``None`` if fewer than ``n`` are free."""
-        if n > self._num_free:
+    def _take_pages(self, k: int) -> torch.Tensor | None:
+        if k > self._num_free:
             return None
-        start = self._num_free - n
-        out = self._free[start : self._num_free].clone()
+        start = self._num_free - k
+        out = self._free[start: self._num_free].clone()
         self._num_free = start
         return out
 
+    def alloc_pages(self, k: int) -> torch.Tensor | None:
+        """Take ``k`` whole pages; int64 ``[k]`` page ids (page ``p`` = slots ``p*N .. p*N+N-1``), or None."""
+        return self._take_pages(k)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` slots from ``ceil(n / page_size)`` fresh pages, in order; int64 ``[n]``, or ``None``.
+
+        The unused tail of the last page belongs to the caller too (free it with any of its slots).
+        """
+        if self.page_size == 1:
+            return self._take_pages(n)
+        pages = self._take_pages(-(-n // self.page_size))
+        if pages is None:
+            return None
+        return self.page_slots(pages)[:n]
+
+    def tokens_needed(self, num_kv: int, n: int) -> int:
+        """Free slots :meth:`alloc_extend` takes to add ``n`` tokens after ``num_kv`` (whole pages)."""
+        room = (-num_kv) % self.page_size
+        return -(-max(0, n - room) // self.page_size) * self.page_size
+
+    def alloc_extend(self, num_kv: int, last_slot: int, n: int) -> torch.Tensor | None:
+        """Slots of the next ``n`` tokens of a sequence holding ``num_kv`` tokens, the last in ``last_slot``.
+
+        Fills the rest of the last page first (``last_slot + 1 ...``), then takes fresh pages.
+        Returns int64 ``[n]``, or ``None`` (nothing taken) if too few pages are free.
+        """
+        n_ps = self.page_size
+        if n_ps == 1:
+            return self._take_pages(n)
+        room = min((-num_kv) % n_ps, n)
+        k = -(-(n - room) // n_ps)
+        pages = self._take_pages(k)
+        if pages is None:
+            return None
+        head = torch.arange(last_slot + 1, last_slot + 1 + room, dtype=torch.int64)
+        return torch.cat([head, self.page_slots(pages)[: n - room]]) if room else self.page_slots(pages)[:n]
+
+    def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """All slots of ``pages`` (int64 ``[k]`` page ids), int64 ``[k * page_size]``, page by page."""
+        if self.page_size == 1:
+            return pages
+        return (pages.unsqueeze(1) * self.page_size
+                + torch.arange(self.page_size, dtype=torch.int64)).reshape(-1)
+
+    def pages_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The distinct pages holding ``slots`` (int64 ``[k]``)."""
+        if self.page_size == 1:
+            return slots.to(torch.int64).flatten()
+        return torch.unique(slots.to(torch.int64).flatten() // self.page_size)
+
     def free(self, indices: torch.Tensor) -> None:
-        """Give slots back. ``indices``: int64 ``[k]``, each currently allocated."""
-        k = int(indices.numel())
-        if k == 0:
+        """Give slots back. ``indices``: int64 ``[k]``, each currently allocated.
+
+        With ``page_size > 1`` every page holding one of ``indices`` is freed whole
+        (a request's partial last page goes back with any of its slots).
+        """
+        if int(indices.numel()) == 0:
             return
+        pages = self.pages_of(indices)
+        k = int(pages.numel())
         end = self._num_free + k
-        if end > self.size:
+        if end > self._free.numel():
             raise RuntimeError("freeing more KV slots than were allocated")
-        self._free[self._num_free : end] = indices.to(torch.int64).flatten()
+        self._free[self._num_free: end] = pages
         self._num_free = end
 
     def free_slots(self) -> torch.Tensor:
         """The currently free slot indices (a copy), for invariant checks."""
-        return self._free[: self._num_free].clone()
+        return self.page_slots(self._free[: self._num_free]).clone()
 
 
 class MHAKVPool:

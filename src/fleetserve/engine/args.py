@@ -60,6 +60,10 @@ class ServerArgs:
         schedule_policy: ``lpm`` (longest cached prefix first) or ``fcfs``.
         schedule_conservativeness: >1 reserves more KV for decode growth.
         disable_radix_cache: no prefix reuse; every request prefills its whole prompt.
+        page_size: KV slots per page (SGLang's ``--page-size``, default 1). KV is
+            allocated in pages of this many contiguous slots; the radix cache
+            stores, matches and evicts whole pages only. Must divide
+            ``chunked_prefill_size`` and fit in the KV pool.
         stream_interval: send streamed tokens every this many decode steps.
         disable_cuda_graph: decode without CUDA graphs. Graphs are used only on CUDA,
             so on CPU this changes nothing (SGLang's flag).
@@ -102,6 +106,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
+    page_size: int = 1
     stream_interval: int = 1
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
@@ -153,6 +158,13 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking")
+        if int(self.page_size) < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.chunk_size is not None and self.chunk_size % self.page_size != 0:
+            raise ValueError(f"--page-size ({self.page_size}) must divide --chunked-prefill-size ({self.chunk_size})")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"--page-size ({self.page_size}) is larger than the KV pool "
+                             f"(--max-total-tokens {self.max_total_tokens})")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.context_length is not None and self.context_length < 1:
@@ -231,6 +243,8 @@ class ServerArgs:
         g.add_argument("--schedule-policy", default=default("schedule_policy"), choices=SCHEDULE_POLICIES)
         g.add_argument("--schedule-conservativeness", type=float, default=default("schedule_conservativeness"))
         g.add_argument("--disable-radix-cache", action="store_true")
+        g.add_argument("--page-size", type=int, default=default("page_size"),
+                       help="KV slots per page; the radix cache keeps whole pages (default 1)")
         g.add_argument("--stream-interval", type=int, default=default("stream_interval"))
         g.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
         g.add_argument("--cuda-graph-max-bs", type=int, default=default("cuda_graph_max_bs"),

@@ -113,10 +113,12 @@ class ModelRunner:
             For tests; ignored on CUDA, where real graphs are captured.
         graph_seq_len_buckets: KV widths of the graph buffers (default:
             :func:`default_seq_len_buckets` of ``max_context_len``).
+        page_size: KV slots per page (``--page-size``); the pool is rounded down to whole pages.
 
     Raises:
         RuntimeError: capturing the decode graphs failed on CUDA (retry with
             ``disable_cuda_graph=True``).
+        ValueError: the KV pool is smaller than one page (names ``--page-size``).
 
     Attributes: ``model_config`` (the HF config), ``model``, ``vocab_size``,
     ``kv_pool`` (MHAKVPool or MLAKVPool), ``allocator``, ``max_total_tokens``,
@@ -128,7 +130,8 @@ class ModelRunner:
                  max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
                  pstate: ParallelState = SINGLE_RANK_STATE, device: str | torch.device = "cpu", show_progress: bool = True,
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int | None = None,
-                 eager_graph_stand_in: bool = False, graph_seq_len_buckets: list[int] | None = None):
+                 eager_graph_stand_in: bool = False, graph_seq_len_buckets: list[int] | None = None,
+                 page_size: int = 1):
         self.model_path = model_path or default_model_path()
         self.device = torch.device(device)
         self.pstate = pstate
@@ -153,11 +156,12 @@ class ModelRunner:
                 frac = 0.8 if self.device.type == "cuda" else DEFAULT_CPU_KV_FRACTION
             budget = int(available_memory_bytes(self.device) * frac)
             max_total_tokens = max(1, min(MAX_AUTO_TOKENS, budget // self.kv_bytes_per_token))
-        self.max_total_tokens = int(max_total_tokens)
+        self.allocator = TokenSlotAllocator(int(max_total_tokens), page_size)
+        self.max_total_tokens = self.allocator.size  # whole pages
         self.max_context_len = min(int(config.max_position_embeddings), self.max_total_tokens)
-        self.kv_pool = cls.kv_pool_class(size=self.max_total_tokens, dtype=self.dtype, device=self.device,
+        # rows 0 .. max_slot (with paging the last page ends past max_total_tokens)
+        self.kv_pool = cls.kv_pool_class(size=self.allocator.max_slot, dtype=self.dtype, device=self.device,
                                          **self.model.kv_pool_kwargs())
-        self.allocator = TokenSlotAllocator(self.max_total_tokens)
         logger.info(
             "%s on %s (%s, rank tp=%d/%d ep=%d/%d): KV cache %s, %d bytes per token per rank, %d tokens (%.1f MiB)",
             architecture(config), self.device, str(self.dtype).replace("torch.", ""), pstate.tp_rank, pstate.tp_size,

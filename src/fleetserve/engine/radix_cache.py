@@ -23,6 +23,20 @@ Typical request life cycle (the scheduler does this)::
     allocator.free(all_slots[len(slots):n_present])  # duplicates someone else inserted
     cache.dec_lock_ref(node)                      # now evictable
 
+Paging (``--page-size N``, the allocator's ``page_size``): the tree holds
+only whole pages. Node keys have lengths that are multiples of ``N`` and split
+only at page boundaries; children are keyed by their first page; a match is
+rounded down to whole pages (10 cached tokens at ``N = 4`` match 8);
+:meth:`RadixCache.insert` takes only the whole pages of what it is given, so a
+request's partial last page stays its own and is freed with it. ``N = 1`` is
+the token-level tree of before (children keyed by a token id).
+
+KV events: with ``event_sink`` (a :class:`~fleetserve.engine.kv_event_sink.KVEventSink`)
+every node also stores the chained SHA-256 digests of its pages
+(:mod:`fleetserve.engine.page_hash`), split with its key, and the cache reports
+``block_stored`` per new node, ``block_removed`` per evicted leaf and
+``all_blocks_cleared`` on reset. Without a sink nothing is hashed.
+
 LRU eviction removes unreferenced leaves, least recently used first, and
 gives their slots back to the allocator. With ``disable=True`` the cache
 stores nothing: ``match_prefix`` returns no slots and ``insert`` returns 0, so
@@ -34,7 +48,6 @@ Efficient Execution of Structured Language Model Programs"); the code is our own
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 from collections.abc import Iterable, Sequence
@@ -43,6 +56,7 @@ import torch
 
 from fleetserve.core.kv_pool import TokenSlotAllocator
 from fleetserve.engine.kv_event_sink import KVEventSink
+from fleetserve.engine.page_hash import digest_to_int64, page_digests
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 
@@ -57,7 +71,8 @@ class TreeNode:
         parent: ``None`` only at the root.
         lock_ref: how many running requests protect this node (and its ancestors).
         last_access: logical clock of the last match/insert touching it (LRU order).
-        hashes: one page hash per token of ``key`` when the cache has an event sink, else ``None``.
+        hashes: 32-byte chained SHA-256 digest of each page of ``key`` when the cache
+            has an event sink, else ``None``.
     """
 
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "hashes")
@@ -69,7 +84,7 @@ class TreeNode:
         self.parent = parent
         self.lock_ref = 0
         self.last_access = last_access
-        self.hashes: list[int] | None = None
+        self.hashes: list[bytes] | None = None
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap order for eviction
         return self.last_access < other.last_access
@@ -98,32 +113,41 @@ class RadixCache:
 
     Args:
         allocator: the pool's :class:`TokenSlotAllocator` (evicted slots go back to
-            it), or an ``int`` pool size to make a private allocator (useful
-            without a model, e.g. in a simulated worker).
+            it; its ``page_size`` is the tree's page size), or an ``int`` pool size
+            to make a private allocator (useful without a model, e.g. in a simulated worker).
         disable: store nothing (``--disable-radix-cache``).
-        event_sink: told about pages entering and leaving the tree
-            (:class:`~fleetserve.engine.kv_event_sink.KVEventSink`); ``None``: no events.
+        page_size: only with an ``int`` ``allocator``: the private allocator's page size.
+        event_sink: receiver of KV events (see the module docstring), or ``None``.
 
     Sizes are in tokens (= KV slots).
     """
 
-    def __init__(self, allocator: TokenSlotAllocator | int, disable: bool = False,
+    def __init__(self, allocator: TokenSlotAllocator | int, disable: bool = False, page_size: int = 1,
                  event_sink: KVEventSink | None = None):
         if isinstance(allocator, int):
-            allocator = TokenSlotAllocator(allocator)
+            allocator = TokenSlotAllocator(allocator, page_size)
         self.allocator = allocator
+        self.page_size = allocator.page_size
         self.disable = disable
-        self.event_sink = None if disable else event_sink
+        self.event_sink = None if disable else event_sink  # a disabled cache holds nothing to report
         self._clock = itertools.count(1)
-        self.reset_tree()
+        self._new_root()
 
     # ------------------------------------------------------------------ state
-    def reset_tree(self) -> None:
-        """Forget every node without freeing slots (callers that cleared the allocator)."""
+    def _new_root(self) -> None:
         self.root = TreeNode([], _EMPTY, None, 0)
         self.root.lock_ref = 1  # the root is never evicted
         self._evictable = 0
         self._protected = 0
+
+    def reset_tree(self) -> None:
+        """Forget every node without freeing slots (callers that cleared the allocator).
+
+        Reports ``all_blocks_cleared`` to the event sink.
+        """
+        self._new_root()
+        if self.event_sink is not None:
+            self.event_sink.all_blocks_cleared()
 
     def reset(self) -> None:
         """Free every cached slot back to the allocator and empty the tree.
@@ -137,8 +161,10 @@ class RadixCache:
         if slots.numel():
             self.allocator.free(slots)
         self.reset_tree()
-        if self.event_sink is not None:
-            self.event_sink.all_blocks_cleared()
+
+    def page_aligned(self, n: int) -> int:
+        """``n`` rounded down to whole pages: how many of ``n`` tokens the tree can hold."""
+        return n - n % self.page_size
 
     def evictable_size(self) -> int:
         """Cached tokens no running request protects (can be evicted)."""
@@ -164,33 +190,42 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    def _child_key(self, key: list[int], pos: int):
+        """Dict key of the child whose key starts at ``key[pos]``: a token id, or the first page's tuple."""
+        return key[pos] if self.page_size == 1 else tuple(key[pos: pos + self.page_size])
+
     # ---------------------------------------------------------------- matching
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached prefix of ``token_ids``.
+        """Longest cached prefix of ``token_ids``, in whole pages.
 
         Args:
             token_ids: a list (or tuple) of int token ids.
 
         Returns:
             ``(slots, last_node)``: int64 ``[m]`` KV slots of the first ``m`` tokens
-            and the node where the match ends (the root when ``m == 0``). A node
-            is split when the match ends inside it, so ``last_node`` covers exactly
-            the matched tokens; lock it with :meth:`inc_lock_ref` to keep them.
-            Touches the matched nodes for LRU.
+            (``m`` a multiple of the page size) and the node where the match ends
+            (the root when ``m == 0``). A node is split (at a page boundary) when
+            the match ends inside it, so ``last_node`` covers exactly the matched
+            tokens; lock it with :meth:`inc_lock_ref` to keep them. Touches the
+            matched nodes for LRU.
         """
         if self.disable or not token_ids:
             return _EMPTY, self.root
         token_ids = list(token_ids) if not isinstance(token_ids, list) else token_ids
+        ps = self.page_size
+        end = len(token_ids) - len(token_ids) % ps
         now = next(self._clock)
         node = self.root
         node.last_access = now
         pos = 0
         parts: list[torch.Tensor] = []
-        while pos < len(token_ids):
-            child = node.children.get(token_ids[pos])
+        while pos < end:
+            child = node.children.get(self._child_key(token_ids, pos))
             if child is None:
                 break
             k = _common_len(token_ids, pos, child.key)
+            if ps > 1:
+                k -= k % ps
             if k < len(child.key):
                 child = self._split(child, k)
             child.last_access = now
@@ -202,28 +237,34 @@ class RadixCache:
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), node
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
-        """Split ``child`` after its first ``k`` tokens; return the new upper node."""
+        """Split ``child`` after its first ``k`` tokens (a page multiple); return the new upper node."""
         upper = TreeNode(child.key[:k], child.value[:k], child.parent, child.last_access)
         upper.lock_ref = child.lock_ref
-        if child.hashes is not None:
-            upper.hashes, child.hashes = child.hashes[:k], child.hashes[k:]
-        upper.children = {child.key[k]: child}
-        child.parent.children[child.key[0]] = upper
+        upper.children = {self._child_key(child.key, k): child}
+        child.parent.children[self._child_key(child.key, 0)] = upper
         child.parent = upper
+        if child.hashes is not None:
+            cut = k // self.page_size
+            upper.hashes, child.hashes = child.hashes[:cut], child.hashes[cut:]
         child.key = child.key[k:]
         child.value = child.value[k:]
         return upper
 
     # --------------------------------------------------------------- inserting
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
-        """Add ``token_ids`` with their KV ``slots`` (int64 ``[len(token_ids)]``).
+        """Add the whole pages of ``token_ids`` with their KV ``slots`` (int64 ``[len(token_ids)]``).
+
+        Only the first :meth:`page_aligned` ``(len(token_ids))`` tokens are
+        considered; the caller keeps (and eventually frees) the slots of a
+        trailing partial page.
 
         Returns:
-            How many leading tokens were already cached. For those, the tree keeps
-            its own slots and the caller still owns ``slots[:returned]`` (free the
-            ones that are not the tree's, typically ``slots[matched:returned]``).
-            The remaining ``slots[returned:]`` now belong to the tree (evictable
-            unless a locked node lies below). ``0`` when disabled.
+            How many leading tokens were already cached (a page multiple). For
+            those, the tree keeps its own slots and the caller still owns
+            ``slots[:returned]`` (free the ones that are not the tree's, typically
+            ``slots[matched:returned]``). ``slots[returned:page_aligned(len)]`` now
+            belong to the tree (evictable unless a locked node lies below). ``0``
+            when disabled.
 
         Raises:
             ValueError: when lengths differ.
@@ -233,25 +274,37 @@ class RadixCache:
         token_ids = list(token_ids) if not isinstance(token_ids, list) else token_ids
         if len(token_ids) != int(slots.numel()):
             raise ValueError(f"insert: {len(token_ids)} tokens but {int(slots.numel())} slots")
+        ps = self.page_size
+        end = len(token_ids) - len(token_ids) % ps
         now = next(self._clock)
         node = self.root
         pos = 0
-        while pos < len(token_ids):
-            child = node.children.get(token_ids[pos])
+        while pos < end:
+            child = node.children.get(self._child_key(token_ids, pos))
             if child is None:
-                new = TreeNode(token_ids[pos:], slots[pos:].clone(), node, now)
-                node.children[token_ids[pos]] = new
-                self._evictable += len(new.key)
-                if self.event_sink is not None:
-                    self._report_stored(new)
+                self._add_leaf(node, token_ids[pos:end], slots[pos:end].clone(), now)
                 return pos
             k = _common_len(token_ids, pos, child.key)
+            if ps > 1:
+                k -= k % ps
+                k = min(k, end - pos)
             if k < len(child.key):
                 child = self._split(child, k)
             child.last_access = now
             pos += k
             node = child
         return pos
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, now: int) -> None:
+        new = TreeNode(key, value, parent, now)
+        parent.children[self._child_key(key, 0)] = new
+        self._evictable += len(key)
+        sink = self.event_sink
+        if sink is not None:
+            prior = parent.hashes[-1] if parent is not self.root and parent.hashes else None
+            new.hashes = page_digests(key, self.page_size, prior)
+            sink.block_stored([digest_to_int64(d) for d in new.hashes],
+                              None if prior is None else digest_to_int64(prior), list(key), self.page_size)
 
     # ----------------------------------------------------------------- locking
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -289,46 +342,27 @@ class RadixCache:
         """Free at least ``num_tokens`` slots from unlocked leaves, least recently used first.
 
         Stops early when nothing evictable is left. Returns the number of slots
-        given back to the allocator (may exceed ``num_tokens`` by part of a leaf).
+        given back to the allocator (may exceed ``num_tokens`` by part of a leaf;
+        always whole pages). Reports each evicted leaf's pages as ``block_removed``.
         """
         if self.disable or num_tokens <= 0:
             return 0
         heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
         heapq.heapify(heap)
         freed = 0
+        sink = self.event_sink
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
             self.allocator.free(leaf.value)
-            if self.event_sink is not None and leaf.hashes:
-                self.event_sink.block_removed(list(leaf.hashes))
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             parent = leaf.parent
-            del parent.children[leaf.key[0]]
+            del parent.children[self._child_key(leaf.key, 0)]
+            if sink is not None and leaf.hashes:
+                sink.block_removed([digest_to_int64(d) for d in leaf.hashes])
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
-
-    # ------------------------------------------------------------------ events
-    def _report_stored(self, node: TreeNode) -> None:
-        """Give ``node`` its page hashes (page size 1: one per token) and report them as stored.
-
-        TODO(pagesize): placeholder chain hash, to be replaced by the page hash of
-        the --page-size work (SGLang's). Here each token is a page and its hash is
-        the first 63 bits of blake2b(parent hash, token id), the parent of the
-        first token being the last hash of the parent node (none at the root).
-        """
-        parent = node.parent
-        parent_hash = parent.hashes[-1] if parent is not self.root and parent.hashes else None
-        h = parent_hash
-        hashes = []
-        for t in node.key:
-            prev = b"" if h is None else h.to_bytes(8, "big")
-            h = int.from_bytes(hashlib.blake2b(prev + int(t).to_bytes(8, "big", signed=True),
-                                               digest_size=8).digest(), "big") >> 1
-            hashes.append(h)
-        node.hashes = hashes
-        self.event_sink.block_stored(list(hashes), parent_hash, list(node.key), 1)
 
     # ----------------------------------------------------------------- display
     def pretty(self) -> str:
@@ -350,32 +384,50 @@ def check_kv_invariant(allocator: TokenSlotAllocator, cache: RadixCache | None =
     """Assert the KV bookkeeping: free + cached + in use == pool size, no slot twice.
 
     Args:
-        allocator: the pool's allocator (slots ``1 .. size``).
+        allocator: the pool's allocator (slots ``1 .. size``; paged: pages ``1 .. num_pages``).
         cache: the radix cache (its tree's slots are "cached"), or ``None``.
-        in_use: slot tensors owned privately by running requests.
+        in_use: slot tensors owned privately by running requests. With
+            ``page_size > 1`` each counts as the whole pages holding it (a
+            request's partial last page is its own, used or not).
 
     Also checks the cache's evictable/protected counters against a walk of the
-    tree. Raises ``AssertionError`` with a description on any violation.
+    tree, and with paging that every node holds whole, aligned pages (and one
+    page hash per page when the cache has an event sink). Raises
+    ``AssertionError`` with a description on any violation.
     """
+    ps = allocator.page_size
     free = allocator.free_slots()
     cached = cache.all_slots() if cache is not None else _EMPTY
     used = [t.reshape(-1).to(torch.int64) for t in in_use]
+    if ps > 1:
+        used = [allocator.page_slots(allocator.pages_of(t)) for t in used if t.numel()]
     used_all = torch.cat(used) if used else _EMPTY
     total = int(free.numel() + cached.numel() + used_all.numel())
     assert total == allocator.size, (
         f"KV leak: free {free.numel()} + cached {cached.numel()} + in use {used_all.numel()} "
         f"= {total} != pool size {allocator.size}")
     every = torch.cat([free, cached, used_all])
-    assert bool((every >= 1).all()) and bool((every <= allocator.size).all()), "KV slot out of range 1..size"
-    counts = torch.bincount(every, minlength=allocator.size + 1)
+    lo = 1 if ps == 1 else ps
+    assert bool((every >= lo).all()) and bool((every <= allocator.max_slot).all()), (
+        f"KV slot out of range {lo}..{allocator.max_slot}")
+    counts = torch.bincount(every, minlength=allocator.max_slot + 1)
     dup = torch.nonzero(counts > 1).flatten().tolist()
     assert not dup, f"KV slots in two places: {dup[:10]}"
     if cache is not None:
+        assert cache.page_size == ps, "radix cache and allocator disagree on the page size"
         prot = evict = 0
+        ramp = torch.arange(ps, dtype=torch.int64)
         for node in cache._nodes():
             if node is cache.root:
                 continue
             assert len(node.key) == int(node.value.numel()) and len(node.key) > 0, "radix node key/value mismatch"
+            assert len(node.key) % ps == 0, f"radix node of {len(node.key)} tokens is not whole pages of {ps}"
+            if ps > 1:
+                rows = node.value.view(-1, ps)
+                assert bool((rows % ps == ramp).all()) and bool((rows - rows[:, :1] == ramp).all()), (
+                    "radix node slots are not whole aligned pages")
+            if node.hashes is not None:
+                assert len(node.hashes) == len(node.key) // ps, "radix node page hashes out of step with its key"
             assert node.lock_ref >= 0, "negative lock_ref"
             if node.parent is not cache.root:
                 assert node.parent.lock_ref >= node.lock_ref, "child locked more than its parent"

@@ -57,7 +57,7 @@ def make_model_runner(args: ServerArgs, pstate: ParallelState, show_progress: bo
     return ModelRunner(model_path=args.model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
                        mem_fraction_static=args.mem_fraction_static, pstate=pstate, device=args.device,
                        show_progress=show_progress, disable_cuda_graph=args.disable_cuda_graph,
-                       cuda_graph_max_bs=args.cuda_graph_max_bs)
+                       cuda_graph_max_bs=args.cuda_graph_max_bs, page_size=args.page_size)
 
 
 def build_rank(args: ServerArgs, pstate: ParallelState, *, replica: int = 0, runner: Any = None,

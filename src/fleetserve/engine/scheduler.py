@@ -26,6 +26,11 @@ KV goes to the tree, it returns to the front of the waiting queue with its
 output so far, and its next prefill continues exactly where it stopped (its
 seeded generator is kept, so sampled outputs are unchanged too).
 
+Paging (``--page-size N``): a request's next tokens take the rest of its last
+page before a fresh page (:meth:`Scheduler._alloc_for`, :meth:`Scheduler._decode_loc`);
+the tree takes whole pages only, so a partial last page stays the request's
+own and is freed when it finishes, is retracted or aborted.
+
 DP attention hook: ``dp_hook(scheduler, batch_or_None) -> batch_or_None`` is
 called between batch formation and the forward. Under DP attention it
 all-gathers every rank's ``batch.num_tokens`` (0 for None), returns
@@ -86,6 +91,10 @@ class Scheduler:
         self.check_invariants = check_invariants
         self.allocator = model_runner.allocator
         self.pool_size = self.allocator.size
+        if self.allocator.page_size != server_args.page_size:
+            raise ValueError(f"--page-size {server_args.page_size}: the model runner's KV allocator has "
+                             f"pages of {self.allocator.page_size}")
+        self.page_size = server_args.page_size
         self.cache = RadixCache(self.allocator, disable=server_args.disable_radix_cache, event_sink=event_sink)
         self.event_sink = event_sink
         self.sampler = Sampler(server_args.random_seed)
@@ -232,11 +241,40 @@ class Scheduler:
 
     # ============================================================== scheduling
     def _alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` free slots, evicting LRU cached tokens when needed; None if impossible."""
-        short = n - self.allocator.available_size()
+        """``n`` free slots (from fresh pages), evicting LRU cached tokens when needed; None if impossible."""
+        short = n + (-n) % self.page_size - self.allocator.available_size()
         if short > 0:
             self.cache.evict(short)
         return self.allocator.alloc(n)
+
+    def _alloc_for(self, r: Req, n: int) -> torch.Tensor | None:
+        """Slots of ``r``'s next ``n`` tokens: the rest of its last page first (paging), then fresh pages."""
+        if self.page_size == 1:
+            return self._alloc(n)
+        short = self.allocator.tokens_needed(r.num_kv, n) - self.allocator.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        last = int(r.kv_slots[r.num_kv - 1]) if r.num_kv else 0
+        return self.allocator.alloc_extend(r.num_kv, last, n)
+
+    def _decode_loc(self) -> torch.Tensor | None:
+        """One slot per running request (paging: in its last page while it has room); None if short."""
+        if self.page_size == 1:
+            return self._alloc(len(self.running))
+        ps = self.page_size
+        num_kv = torch.tensor([r.num_kv for r in self.running], dtype=torch.int64)
+        loc = torch.tensor([int(r.kv_slots[r.num_kv - 1]) for r in self.running], dtype=torch.int64) + 1
+        fresh = num_kv % ps == 0
+        k = int(fresh.sum())
+        if k:
+            short = k * ps - self.allocator.available_size()
+            if short > 0:
+                self.cache.evict(short)
+            pages = self.allocator.alloc_pages(k)
+            if pages is None:
+                return None
+            loc[fresh] = pages * ps
+        return loc
 
     def _schedule_extend(self) -> ScheduleBatch | None:
         reserve_running = sum(decode_reserve(r, self.new_token_ratio) for r in self.running)
@@ -254,10 +292,10 @@ class Scheduler:
             p = r.num_kv
             extend = len(r.fill_ids) - p
             take = extend if self.chunk_size is None else min(extend, self.chunk_size)
-            slots = self._alloc(take)
+            slots = self._alloc_for(r, take)
             while slots is None and self.running:
                 self._retract(self._pick_retract())
-                slots = self._alloc(take)
+                slots = self._alloc_for(r, take)
             if slots is None:  # cannot happen while prompts fit the pool; stay safe
                 self.chunked_req = None
                 self._release(r)
@@ -329,8 +367,7 @@ class Scheduler:
         return batch
 
     def _schedule_decode(self) -> ScheduleBatch:
-        need = len(self.running)
-        loc = self._alloc(need)
+        loc = self._decode_loc()
         while loc is None:
             if len(self.running) > 1:
                 self._retract(self._pick_retract())
@@ -343,8 +380,7 @@ class Scheduler:
                 r.finish_reason = {"type": "abort", "message": "KV cache too small"}
                 self._pending_outputs = [self._make_output(r)]
                 return None  # type: ignore[return-value]
-            need = len(self.running)
-            loc = self._alloc(need)
+            loc = self._decode_loc()
         for i, r in enumerate(self.running):
             r.append_slots(loc[i: i + 1])
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
@@ -377,6 +413,9 @@ class Scheduler:
             n = self.cache.insert(r.fill_ids[: r.num_kv], slots)
             if n > r.num_tree:
                 self.allocator.free(slots[r.num_tree: n])
+            whole = self.cache.page_aligned(r.num_kv)
+            if whole < r.num_kv:  # the partial last page never enters the tree
+                self.allocator.free(slots[whole:])
             if r.last_node is not None:
                 self.cache.dec_lock_ref(r.last_node)
         r.reset_kv()
@@ -402,8 +441,16 @@ class Scheduler:
         return [r.own_slots() for r in reqs]
 
     def check_kv(self) -> None:
-        """Assert the KV invariant (free + cached + in use == pool, no slot twice)."""
+        """Assert the KV invariant (free + cached + in use == pool, no slot twice).
+
+        With paging also: token ``i`` of every request sits at offset ``i % page_size`` of its page.
+        """
         check_kv_invariant(self.allocator, self.cache, self.in_use_slots())
+        ps = self.page_size
+        if ps > 1:
+            for r in self.running + ([self.chunked_req] if self.chunked_req is not None else []):
+                kv = r.kv_indices()
+                assert bool((kv % ps == torch.arange(r.num_kv) % ps).all()), f"{r.rid}: KV slots off their pages"
 
     # ============================================================ results
     def _process_extend(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[ReqOutput]:

@@ -24,6 +24,21 @@ def test_timing_model_formulas_and_overrides():
         timing_model.from_args(p.parse_args(["--max-total-tokens", "0"]))
 
 
+def test_sim_worker_page_size_flag():
+    from fleetserve.bench import sim_worker
+
+    p = sim_worker.build_parser()
+    assert timing_model.from_args(p.parse_args([])).page_size == 1
+    assert timing_model.from_args(p.parse_args(["--page-size", "16"])).page_size == 16
+    for argv, msg in [(["--page-size", "0"], "--page-size must be >= 1, got 0"),
+                      (["--page-size", "3"], "--page-size (3) must divide --chunked-prefill-size (8192)"),
+                      (["--page-size", "64", "--max-total-tokens", "32"],
+                       "--page-size (64) is larger than the KV pool (--max-total-tokens 32)")]:
+        with pytest.raises(ValueError) as e:
+            timing_model.from_args(p.parse_args(argv))
+        assert str(e.value) == msg
+
+
 def test_parse_counters_and_delta():
     text = """# TYPE fleetserve:prompt_tokens_total counter
 fleetserve:prompt_tokens_total{rank="0"} 100.0

@@ -29,8 +29,8 @@ VOCAB = 1000
 class ConstRunner:
     """Stub model: logits favour token 0 for every sequence."""
 
-    def __init__(self, pool: int):
-        self.allocator = TokenSlotAllocator(pool)
+    def __init__(self, pool: int, page_size: int = 1):
+        self.allocator = TokenSlotAllocator(pool, page_size)
         self.vocab_size = VOCAB
         self.max_context_len = 100_000
         self.eos_token_ids = []
@@ -54,8 +54,9 @@ def token_requests(kind: str) -> list[tuple[list[int], int]]:
     return [([1 + t % (VOCAB - 1) for t in tok.encode_chat(r.messages)], r.output_len) for r in reqs]
 
 
-def engine_hits(reqs, pool: int, concurrent: bool) -> list[int]:
-    sched = Scheduler(ServerArgs(random_seed=0), ConstRunner(pool), check_invariants=True)
+def engine_hits(reqs, pool: int, concurrent: bool, page_size: int = 1) -> list[int]:
+    sched = Scheduler(ServerArgs(random_seed=0, page_size=page_size), ConstRunner(pool, page_size),
+                      check_invariants=True)
     hits: dict[str, int] = {}
 
     def submit(i, ids, out):
@@ -83,8 +84,8 @@ def engine_hits(reqs, pool: int, concurrent: bool) -> list[int]:
     return [hits[str(i)] for i in range(len(reqs))]
 
 
-async def sim_hits(reqs, pool: int, concurrent: bool) -> list[int]:
-    model = TimingModel(max_total_tokens=pool, time_scale=1e-6, max_running_requests=1024)
+async def sim_hits(reqs, pool: int, concurrent: bool, page_size: int = 1) -> list[int]:
+    model = TimingModel(max_total_tokens=pool, time_scale=1e-6, max_running_requests=1024, page_size=page_size)
     eng = SimEngine(model, "t")
     eng.start()
     tok = WordTokenizer()
@@ -119,23 +120,26 @@ async def sim_hits(reqs, pool: int, concurrent: bool) -> list[int]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("kind", ["shared_prefix", "multi_turn"])
 @pytest.mark.parametrize("pool", [100_000, 400])
-async def test_sequential_hits_match_engine(kind, pool):
+async def test_sequential_hits_match_engine(kind, pool, page_size):
     reqs = token_requests(kind)
-    want = engine_hits(reqs, pool, concurrent=False)
-    got = await sim_hits(reqs, pool, concurrent=False)
+    want = engine_hits(reqs, pool, concurrent=False, page_size=page_size)
+    got = await sim_hits(reqs, pool, concurrent=False, page_size=page_size)
     assert got == want
     assert sum(want) > 0  # the workload does share prefixes
+    assert all(h % page_size == 0 for h in want)  # whole pages only
     if pool == 400 and kind == "shared_prefix":
-        assert want != engine_hits(reqs, 100_000, concurrent=False)  # eviction changed something
+        assert want != engine_hits(reqs, 100_000, concurrent=False, page_size=page_size)  # eviction changed something
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("kind", ["shared_prefix", "multi_turn"])
-async def test_concurrent_hits_match_engine(kind):
+async def test_concurrent_hits_match_engine(kind, page_size):
     reqs = token_requests(kind)
-    want = engine_hits(reqs, 100_000, concurrent=True)
-    got = await sim_hits(reqs, 100_000, concurrent=True)
+    want = engine_hits(reqs, 100_000, concurrent=True, page_size=page_size)
+    got = await sim_hits(reqs, 100_000, concurrent=True, page_size=page_size)
     assert got == want
     assert sum(want) > 0

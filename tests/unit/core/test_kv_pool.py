@@ -23,3 +23,31 @@ def test_mla_pool_is_smaller_than_mha_for_deepseek_shapes():
     assert mla.bytes_per_token == 2 * 576 * 2
     assert mha.bytes_per_token == 2 * 128 * (192 + 128) * 2
     assert mha.bytes_per_token // mla.bytes_per_token == 71
+
+
+def test_paged_allocator_hands_out_whole_aligned_pages():
+    alloc = TokenSlotAllocator(16, page_size=4)  # pages 1..4 = slots 4..19
+    assert alloc.size == 16 and alloc.max_slot == 19
+    a = alloc.alloc(6)  # two fresh pages, the first 6 of their 8 slots
+    assert alloc.available_size() == 8
+    assert a.numel() == 6 and int(a[0]) % 4 == 0 and int(a[4]) % 4 == 0
+    assert a[:4].tolist() == list(range(int(a[0]), int(a[0]) + 4))
+    # continue the sequence: 2 slots left in its last page, then one fresh page
+    more = alloc.alloc_extend(6, int(a[-1]), 3)
+    assert more[:2].tolist() == [int(a[-1]) + 1, int(a[-1]) + 2] and int(more[2]) % 4 == 0
+    assert alloc.available_size() == 4
+    assert alloc.tokens_needed(9, 3) == 0 and alloc.tokens_needed(8, 1) == 4 and alloc.tokens_needed(6, 7) == 8
+    assert alloc.alloc_extend(9, int(more[-1]), 8) is None and alloc.available_size() == 4  # nothing taken
+    # one slot of a page frees the whole page
+    alloc.free(more[2:])
+    assert alloc.available_size() == 8
+    alloc.free(a)
+    assert alloc.available_size() == 16
+    assert sorted(alloc.free_slots().tolist()) == list(range(4, 20))
+
+
+def test_page_size_one_is_the_token_allocator():
+    a, b = TokenSlotAllocator(10), TokenSlotAllocator(10, page_size=1)
+    assert a.max_slot == b.max_slot == 10
+    assert a.alloc(3).tolist() == b.alloc(3).tolist() == [8, 9, 10]
+    assert TokenSlotAllocator(10).alloc(4).tolist() == TokenSlotAllocator(10, 1).alloc_extend(5, 99, 4).tolist()

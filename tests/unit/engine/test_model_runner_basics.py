@@ -112,3 +112,16 @@ def test_uneven_batch_is_split_into_groups_with_same_logits(which, v3_runner, ti
         free(runner, [one])
     free(runner, reqs)
     assert runner.allocator.available_size() == runner.max_total_tokens
+
+
+def test_page_size_rounds_the_pool_to_pages_and_sizes_the_kv_rows(tiny_llama_dir):
+    from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
+    from fleetserve.engine.args import ServerArgs
+    from fleetserve.engine.rank_builder import make_model_runner
+
+    args = ServerArgs(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=70, page_size=16,
+                      chunked_prefill_size=64, random_seed=0)
+    r = make_model_runner(args, SINGLE_RANK_STATE)
+    assert r.allocator.page_size == 16 and r.allocator.size == 64 and r.max_total_tokens == 64
+    # pages 1..4 = slots 16..79: the buffers need 80 rows
+    assert r.kv_pool.k_buffer[0].shape[0] == 80 == r.allocator.max_slot + 1

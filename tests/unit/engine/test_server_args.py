@@ -54,3 +54,32 @@ def test_cuda_graph_flags_parse_and_default_off_nowhere():
     b = parse([])
     # Not disabled by default: graphs are used wherever they exist (CUDA); CPU has none.
     assert b.disable_cuda_graph is False and b.cuda_graph_max_bs is None
+
+
+def test_page_size_flag_parses_defaults_to_one():
+    assert parse([]).page_size == 1
+    a = parse(["--page-size", "16", "--chunked-prefill-size", "64"])
+    assert a.page_size == 16 and a.chunk_size == 64
+    assert parse(["--page-size", "4", "--chunked-prefill-size", "-1"]).page_size == 4  # no chunking: no rule
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    ({"page_size": 0}, "--page-size must be >= 1, got 0"),
+    ({"page_size": -4}, "--page-size must be >= 1, got -4"),
+    ({"page_size": 3, "chunked_prefill_size": 8192}, "--page-size (3) must divide --chunked-prefill-size (8192)"),
+    ({"page_size": 64, "max_total_tokens": 32, "chunked_prefill_size": 64},
+     "--page-size (64) is larger than the KV pool (--max-total-tokens 32)"),
+])
+def test_bad_page_size_refused_with_one_line_naming_the_flag(kwargs, msg):
+    with pytest.raises(ValueError) as e:
+        ServerArgs(**kwargs)
+    assert str(e.value) == msg and "\n" not in str(e.value)
+
+
+def test_allocator_refuses_a_pool_smaller_than_a_page():
+    from fleetserve.core.kv_pool import TokenSlotAllocator
+
+    with pytest.raises(ValueError, match="--page-size 16"):
+        TokenSlotAllocator(10, 16)
+    a = TokenSlotAllocator(70, 16)  # rounded down to whole pages
+    assert a.size == 64 and a.num_pages == 4 and a.max_slot == 79 and a.available_size() == 64

@@ -35,6 +35,8 @@ V3_LAYOUTS = {
 }
 V2_LAYOUTS = {
     "tp2": dict(tp_size=2),
+    # --page-size 16 under DP attention: each attention group its own paged pool and radix tree
+    "dp2_attn_page16": dict(tp_size=2, dp_size=2, enable_dp_attention=True, page_size=16),
     "dp2_attn_ep2_all_to_all": dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2,
                                     moe_a2a_backend="all_to_all"),
 }

@@ -26,9 +26,10 @@ class RunnerView:
     no change; KV rows are rewritten before they are read.
     """
 
-    def __init__(self, runner, pool_size):
+    def __init__(self, runner, pool_size, page_size=1):
         self._runner = runner
-        self.allocator = TokenSlotAllocator(min(pool_size, runner.max_total_tokens))
+        # the runner's KV rows end at max_total_tokens; a paged pool's last page must fit too
+        self.allocator = TokenSlotAllocator(min(pool_size, runner.max_total_tokens - page_size + 1), page_size)
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -36,7 +37,7 @@ class RunnerView:
 
 def make_scheduler(runner, pool_size=2048, **kw):
     kw.setdefault("random_seed", 0)
-    return Scheduler(ServerArgs(**kw), RunnerView(runner, pool_size), check_invariants=True)
+    return Scheduler(ServerArgs(**kw), RunnerView(runner, pool_size, kw.get("page_size", 1)), check_invariants=True)
 
 
 @pytest.fixture
