@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from .kv_events import flags as kv_flags
 from .workers import normalize_url
 
-POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "kv_aware")
 CACHE_MISS_FALLBACKS = ("least_loaded", "smallest_tree")
 
 
@@ -66,6 +67,14 @@ class RouterConfig:
     prometheus_host: str = "127.0.0.1"
     prometheus_port: int | None = None
     log_level: str = "info"
+    # kv_aware (flags in kv_events/flags.py)
+    tokenizer_path: str | None = None
+    kv_events_endpoint: list[str] = field(default_factory=list)
+    kv_prefill_weight: float = 1.0
+    kv_load_weight: float = 1.0
+    kv_speculative_ttl_secs: float = 2.0
+    kv_index_max_blocks: int = 1 << 20
+    dp_aware: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` on an out-of-range setting."""
@@ -95,6 +104,7 @@ class RouterConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.retry_max_retries < 1:
             raise ValueError("--retry-max-retries must be >= 1 (it counts attempts)")
+        kv_flags.validate(self)
 
     @property
     def max_attempts(self) -> int:
@@ -178,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prometheus-port", type=int, default=None,
                    help="extra listener for /metrics (it is always on the main port too)")
     g.add_argument("--log-level", choices=("debug", "info", "warn", "warning", "error"), default=d.log_level)
+    kv_flags.add_flags(p, d)
     return p
 
 

@@ -93,13 +93,19 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
         return json_error(400, "the request body must be a JSON object")
     path = request.path
     router.handling += 1
+    key = routing_text(path, body)
+    prepare = getattr(router.policy, "prepare", None)  # kv_aware: token ids, tokenized off the loop
     try:
-        return await _forward(router, request, path, routing_text(path, body), body.get("stream") is True)
+        if prepare is not None:
+            key = await prepare(path, body, key)
+        return await _forward(router, request, path, key, body.get("stream") is True)
     finally:
         router.handling -= 1
+        if prepare is not None:
+            router.policy.release(key)
 
 
-async def _forward(router: Router, request: Request, path: str, text: str, stream: bool) -> Response | None:
+async def _forward(router: Router, request: Request, path: str, text, stream: bool) -> Response | None:
     """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet."""
     cfg = router.cfg
     stats = router.stats
