@@ -75,6 +75,7 @@ class RouterConfig:
     kv_speculative_ttl_secs: float = 2.0
     kv_index_max_blocks: int = 1 << 20
     dp_aware: bool = False
+    no_route_header: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` on an out-of-range setting."""

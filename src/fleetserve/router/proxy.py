@@ -130,7 +130,9 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
                 return json_error(503, "no healthy worker available", "service_unavailable",
                                   code="no_healthy_worker")
             return failure
-        result = await _attempt(router, request, worker, path, headers, stream)
+        decorate = getattr(policy, "decorate", None)  # kv_aware: the DP rank to use, the route header
+        body, hdrs, shown = decorate(text, request.body, headers) if decorate else (request.body, headers, ())
+        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown)
         if type(result) is not _Retry:
             return result
         tried.append(worker)
@@ -142,7 +144,8 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
                                             cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
 
 
-async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool):
+async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool,
+                   body: bytes | None = None, shown=()):
     """One upstream attempt: the client's response, None once streamed, or a :class:`_Retry`.
 
     ``worker.load`` is held from before the send until this returns, whatever happens
@@ -153,17 +156,18 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
     resp = None
     try:
         try:
-            resp = await router.pool.post(worker.url, path, request.body, headers)
+            resp = await router.pool.post(worker.url, path, request.body if body is None else body, headers)
             status = resp.status
             if status >= 500:
                 data = await resp.read()
                 _fail(worker)
                 return _Retry(Response(status, data, resp.headers.get("content-type", _JSON),
-                                       _forwarded_headers(resp)))
+                                       [*_forwarded_headers(resp), *shown]))
             if not stream or resp.content_type != "text/event-stream":
                 data = await resp.read()
                 worker.breaker.record_success()
-                return Response(status, data, resp.headers.get("content-type", _JSON), _forwarded_headers(resp))
+                return Response(status, data, resp.headers.get("content-type", _JSON),
+                                [*_forwarded_headers(resp), *shown])
         except UpstreamError as e:
             _fail(worker)
             status, kind, code = ((504, "gateway_timeout", "upstream_timeout") if isinstance(e, UpstreamTimeoutError)
@@ -171,7 +175,7 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             return _Retry(json_error(status, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}",
                                      kind, code=code))
         # streaming: from here on bytes reach the client, so no retry
-        await _stream(request, worker, resp)
+        await _stream(request, worker, resp, shown)
         return None
     finally:
         worker.load -= 1
@@ -179,10 +183,10 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             resp.release()
 
 
-async def _stream(request: Request, worker: Worker, resp: UpstreamResponse) -> None:
+async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, shown=()) -> None:
     """Pass a streamed answer through chunk by chunk, as each arrives."""
     try:
-        extra = _forwarded_headers(resp)
+        extra = [*_forwarded_headers(resp), *shown]
         if "cache-control" not in resp.headers:
             extra.append(("Cache-Control", "no-cache"))
         request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"), extra)

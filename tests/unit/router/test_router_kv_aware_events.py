@@ -50,7 +50,7 @@ def fake_worker(name: str, pub: Publisher | None, dp_size: int = 1, seen: list |
     async def generate(request):
         body = await request.json()
         if seen is not None:
-            seen.append((name, body))
+            seen.append((name, body, dict(request.headers)))
         await asyncio.sleep(float(body.get("fake_sleep", 0)))
         return web.json_response({"worker": name, "text": "ok"})
 
@@ -99,10 +99,10 @@ async def generate(session, url: str, ids: list[int], **extra) -> str:
         return (await r.json())["worker"]
 
 
-async def fleet(start_app, pubs_and_dp):
+async def fleet(start_app, pubs_and_dp, seen=None):
     runners, urls = [], []
     for i, (pub, dp) in enumerate(pubs_and_dp):
-        runner, url = await start_app(fake_worker(f"w{i}", pub, dp))
+        runner, url = await start_app(fake_worker(f"w{i}", pub, dp, seen))
         runners.append(runner)
         urls.append(url)
     return runners, urls
@@ -257,7 +257,8 @@ async def test_malformed_frames_and_a_flood_leave_the_router_serving(start_app, 
             await wait_for(lambda: sb.batches + sb.gaps >= 1 and sb.last_seq == 19999, timeout=60,
                            what="flood consumed")
             assert len(pol.index) <= 5000  # the bound holds
-            assert worst < 2.0, f"a request took {worst:.2f} s during the flood"
+            # bounded, with room for a loaded 2-core machine (a stalled loop would take the whole flood)
+            assert worst < 5.0, f"a request took {worst:.2f} s during the flood"
             async with s.get(r.url + "/health") as h:
                 assert h.status == 200
     finally:
@@ -283,6 +284,40 @@ async def test_dp_ranks_are_discovered_and_removed_workers_dropped(start_app, In
                 assert resp.status == 200
             await wait_for(lambda: urls[0] not in pol.subs, what="unsubscribed")
             assert pol.index.blocks_of((urls[0], 1)) == 0 and len(pol.index) == 0
+    finally:
+        for rn in runners:
+            await rn.cleanup()
+
+
+@pytest.mark.parametrize("header", [True, False])
+async def test_dp_aware_sends_the_rank_and_the_route_header_says_why(start_app, InProcessRouter, publishers, header):
+    pa = publishers("vllm", ranks=2)
+    seen = []
+    runners, urls = await fleet(start_app, [(pa, 2)], seen)
+    try:
+        async with InProcessRouter(worker_urls=urls, policy="kv_aware", dp_aware=True, kv_speculative_ttl_secs=0,
+                                   no_route_header=not header) as r, aiohttp.ClientSession() as s:
+            pol = r.router.policy
+            await wait_for(subs_ready(pol, urls, ranks=2), what="two rank subscriptions")
+            await asyncio.sleep(0.3)
+            pa.do(op="store", rank=0, tokens=[1, 1, 1, 1])
+            pa.do(op="store", rank=1, tokens=PREFIX)
+            await wait_for(lambda: pol.index.blocks_of((urls[0], 1)) == 16 and pol.trust(urls[0], 0) == "exact",
+                           what="both ranks live")
+            async with s.post(r.url + "/generate", json={"input_ids": PREFIX + [5], "max_new_tokens": 4}) as resp:
+                assert resp.status == 200
+                route = resp.headers.get("x-fleetserve-route")
+            name, body, headers = seen[-1]
+            assert body["routed_dp_rank"] == 1 and body["input_ids"] == PREFIX + [5]
+            assert headers["X-data-parallel-rank"] == "1"
+            if header:
+                assert route == f"target={urls[0]}; dp_rank=1; branch=exact; cached_tokens=64; prompt_tokens=65"
+            else:
+                assert route is None
+            # a prompt no rank holds goes to the rank with less in flight: rank 0 (tie: order)
+            async with s.post(r.url + "/generate", json={"input_ids": [3] * 9}) as resp:
+                assert resp.status == 200
+            assert seen[-1][1]["routed_dp_rank"] == 0
     finally:
         for rn in runners:
             await rn.cleanup()

@@ -30,7 +30,10 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                    help="kv_aware: (target, block) entries the event index keeps, all workers together")
     g.add_argument("--dp-aware", action="store_true",
                    help="kv_aware: each DP rank of a worker is a target; the request names the chosen rank "
-                        "(routed_dp_rank in the body)")
+                        "(routed_dp_rank in the body, X-data-parallel-rank header)")
+    g.add_argument("--no-route-header", action="store_true",
+                   help="kv_aware: do not add x-fleetserve-route (target, rank, branch, predicted cached tokens) "
+                        "to answers")
 
 
 def validate(cfg) -> None:
@@ -60,4 +63,4 @@ def make_kv_aware(cfg):
         return KvAwarePolicy()
     tok = RouterTokenizer(cfg.tokenizer_path) if cfg.tokenizer_path else None
     return KvAwarePolicy(cfg.kv_prefill_weight, cfg.kv_load_weight, cfg.kv_speculative_ttl_secs,
-                         cfg.kv_index_max_blocks, cfg.dp_aware, tok)
+                         cfg.kv_index_max_blocks, cfg.dp_aware, tok, route_header=not cfg.no_route_header)

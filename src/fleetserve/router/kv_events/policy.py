@@ -70,6 +70,20 @@ class RouteKey:
     def tree_text(self) -> str:
         return ids_text(self.tokens) if self.tokens else self.text
 
+    def route_header(self) -> str:
+        """The ``x-fleetserve-route`` value: ``target=URL; dp_rank=R|-; branch=B; cached_tokens=N; prompt_tokens=M``."""
+        rank = "-" if self.rank is None else str(self.rank)
+        return (f"target={self.target[0]}; dp_rank={rank}; branch={self.branch}; cached_tokens={self.cached}; "
+                f"prompt_tokens={self.prompt_tokens}")
+
+
+def with_dp_rank(body: bytes, rank: int) -> bytes:
+    """The JSON object ``body`` with ``"routed_dp_rank": rank`` added first (a client's own value, later, wins)."""
+    i = body.index(b"{") + 1
+    rest = body[i:]
+    sep = b"" if rest.strip() == b"}" else b","
+    return b'{"routed_dp_rank":%d' % rank + sep + rest
+
 
 def decode_budget(body: dict) -> int:
     """Decode tokens a request counts in the load (see the module docstring)."""
@@ -89,7 +103,8 @@ class KvAwarePolicy:
 
     def __init__(self, prefill_weight: float = 1.0, load_weight: float = 1.0, speculative_ttl_s: float = 2.0,
                  max_blocks: int = 1 << 20, dp_aware: bool = False, tokenizer: RouterTokenizer | None = None,
-                 tokenize_threads: int = 2) -> None:
+                 tokenize_threads: int = 2, route_header: bool = True) -> None:
+        self.route_header = route_header
         self.prefill_weight = prefill_weight
         self.load_weight = load_weight
         self.speculative_ttl_s = speculative_ttl_s
@@ -165,6 +180,22 @@ class KvAwarePolicy:
         self.decisions[branch] += 1
         self._record(w.url, rank, key)
         return w
+
+    def decorate(self, key, body: bytes, headers: bytes):
+        """``(body, request header lines, response headers)`` for the attempt ``key`` was routed to.
+
+        With ``--dp-aware`` the chosen rank goes in the body (``routed_dp_rank``, SGLang) and in
+        the ``X-data-parallel-rank`` header (vLLM); ``x-fleetserve-route`` is added to the
+        answer unless ``--no-route-header``.
+        """
+        if not isinstance(key, RouteKey) or key.target is None:
+            return body, headers, ()
+        if key.rank is not None:
+            body = with_dp_rank(body, key.rank)
+            headers = headers + b"X-data-parallel-rank: %d\r\n" % key.rank
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route: %s", key.route_header())
+        return body, headers, ((("x-fleetserve-route", key.route_header()),) if self.route_header else ())
 
     def _record(self, url: str, rank: int | None, key: RouteKey) -> None:
         tenant = url if rank is None else f"{url}#{rank}"
