@@ -16,6 +16,7 @@ Families (prefix ``fleetserve_router_``):
 * ``tree_size_chars{worker}``: characters the cache_aware tree holds for each worker.
 * ``cache_decisions_total{result}``: cache_aware ``hit`` / ``miss`` / ``balanced``.
 * ``routing_decision_seconds``: histogram of the time to choose a worker.
+* ``kv_*``: ``kv_aware``'s streams, index and loads (see :mod:`.kv_events.metrics`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class RouterCollector:
         for label, attr in (("hit", "hits"), ("miss", "misses"), ("balanced", "balanced")):
             dec.add_metric([label], getattr(policy, attr, 0))
         yield dec
+        if getattr(policy, "index", None) is not None:  # kv_aware: its streams, index and loads
+            from .kv_events.metrics import families
+            yield from families(policy)
         counts = r.stats.decision_counts
         buckets, acc = [], 0
         for bound, c in zip(DECISION_BUCKETS_S, counts):

@@ -229,6 +229,12 @@ async def test_gap_without_replay_falls_back_until_a_clean_state(start_app, InPr
             await wait_for(lambda: pol.index.blocks_of((urls[1], 0)) == 16, what="indexed")
             assert await generate(s, r.url, PREFIX) == "w1"
             assert pol.decisions["exact"] == n_exact + 2
+            async with s.get(r.url + "/metrics") as m:
+                text = await m.text()
+            assert f'fleetserve_router_kv_stream_state{{dp_rank="0",state="exact",worker="{urls[1]}"}} 1.0' in text
+            assert f'fleetserve_router_kv_gaps_total{{dp_rank="0",worker="{urls[1]}"}} 1.0' in text
+            assert f'fleetserve_router_kv_index_blocks{{dp_rank="0",worker="{urls[1]}"}} 16.0' in text
+            assert 'fleetserve_router_kv_decisions_total{branch="fallback"} 2.0' in text
     finally:
         for rn in runners:
             await rn.cleanup()
