@@ -327,3 +327,37 @@ async def test_dp_aware_sends_the_rank_and_the_route_header_says_why(start_app, 
     finally:
         for rn in runners:
             await rn.cleanup()
+
+
+async def test_tokenization_runs_off_the_event_loop(start_app, InProcessRouter):
+    """A request whose tokenization blocks (a stand-in for a 100k-token prompt) holds no other request."""
+    import threading
+
+    runners, urls = await fleet(start_app, [(None, 1)])
+    gate = threading.Event()
+    entered = threading.Event()
+
+    class SlowTokenizer:
+        def request_ids(self, path, body):
+            entered.set()
+            assert gate.wait(20)
+            return [1, 2, 3, 4]
+
+    try:
+        async with InProcessRouter(worker_urls=urls, policy="kv_aware") as r, aiohttp.ClientSession() as s:
+            pol = r.router.policy
+            from concurrent.futures import ThreadPoolExecutor
+            pol.tokenizer, pol._pool = SlowTokenizer(), ThreadPoolExecutor(1)
+            big = asyncio.ensure_future(s.post(r.url + "/v1/completions", json={"prompt": "a long prompt"}))
+            await wait_for(entered.is_set, what="tokenizing")
+            for i in range(3):  # token-id requests need no tokenizer: served while the other one waits
+                assert await generate(s, r.url, [i] * 8) == "w0"
+            assert not big.done()
+            gate.set()
+            async with await big as resp:
+                assert resp.status == 404  # the fake worker has no /v1/completions: it got through
+                assert resp.headers["x-fleetserve-route"].endswith("prompt_tokens=4")
+    finally:
+        gate.set()
+        for rn in runners:
+            await rn.cleanup()
