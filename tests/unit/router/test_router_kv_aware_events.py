@@ -361,3 +361,23 @@ async def test_tokenization_runs_off_the_event_loop(start_app, InProcessRouter):
         gate.set()
         for rn in runners:
             await rn.cleanup()
+
+
+async def test_kv_events_endpoint_flag_for_a_worker_without_server_info_config(start_app, InProcessRouter,
+                                                                               publishers):
+    pa = publishers("vllm")
+    runners, urls = await fleet(start_app, [(None, 1), (None, 1)])  # neither names a publisher
+    port = pa.info["endpoint"].rsplit(":", 1)[1]
+    try:
+        async with InProcessRouter(worker_urls=urls, policy="kv_aware",
+                                   kv_events_endpoint=[f"{urls[1]}=tcp://127.0.0.1:{port}"]) as r:
+            pol = r.router.policy
+            await wait_for(lambda: urls[1] in pol.subs, what="flag subscription")
+            assert pol.subs[urls[1]][0].endpoint == f"tcp://127.0.0.1:{port}"
+            await asyncio.sleep(0.3)
+            pa.do(op="store", tokens=PREFIX)
+            await wait_for(lambda: pol.index.blocks_of((urls[1], 0)) == 16, what="indexed")
+            assert urls[0] not in pol.subs and pol.trust(urls[0], 0) == "fallback"
+    finally:
+        for rn in runners:
+            await rn.cleanup()
