@@ -2,8 +2,9 @@
 
 Each :class:`Subscription` runs a daemon thread with its own SUB socket
 (pyzmq), so decoding never runs on the router's event loop.  It applies each
-batch to the shared :class:`~.index.BlockIndex` a few events per lock hold,
-so a flood of events delays a routing decision by at most one small slice.
+event to the shared :class:`~.index.BlockIndex` under the index lock, one
+event per hold, and gives up the GIL every :data:`EVENTS_PER_SLICE` events, so
+a flood of events delays a routing decision by at most one small slice.
 
 Trust (``Subscription.state``), the state machine of docs/router.md:
 
@@ -42,7 +43,7 @@ from .index import BlockIndex
 log = logging.getLogger("fleetserve.router")
 
 FALLBACK, DEGRADED, EXACT = "fallback", "degraded", "exact"
-EVENTS_PER_LOCK = 64  # events applied per index lock hold
+EVENTS_PER_SLICE = 64  # events applied between two GIL releases
 MAX_MSGS_PER_ROUND = 256  # messages taken from the socket before re-checking the stop flag
 REPLAY_TIMEOUT_S = 2.0
 
@@ -159,8 +160,10 @@ class Subscription:
             self.rank_mismatches += 1
         events = batch.events
         ix = self.index
-        for i in range(0, len(events), EVENTS_PER_LOCK):
-            for ev in events[i:i + EVENTS_PER_LOCK]:
+        for i in range(0, len(events), EVENTS_PER_SLICE):
+            if self._stop.is_set():
+                return  # unsubscribed: the worker's entries are being dropped, add none
+            for ev in events[i:i + EVENTS_PER_SLICE]:
                 ix.apply(self.target, ev)
                 if type(ev) is AllBlocksCleared:
                     self.state = EXACT  # everything after a clear is seen
