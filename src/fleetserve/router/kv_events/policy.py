@@ -124,7 +124,11 @@ class KvAwarePolicy:
         tokens = request_ids_without_tokenizer(path, body)
         if tokens is None and self.tokenizer is not None:
             loop = asyncio.get_running_loop()
-            tokens = await loop.run_in_executor(self._pool, self.tokenizer.request_ids, path, body)
+            try:
+                tokens = await loop.run_in_executor(self._pool, self.tokenizer.request_ids, path, body)
+            except Exception as e:  # a tokenizer failure must not fail the request: route on the text
+                log.warning("kv_aware: tokenization failed (%s: %s); routing on the text", type(e).__name__, e)
+                tokens = None
         return RouteKey(text, tokens, decode_budget(body))
 
     def ranks(self, url: str) -> list[int]:
