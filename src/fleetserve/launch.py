@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address of the router and the instances")
     p.add_argument("--port", type=int, default=30000, help="router port (1..65535)")
     p.add_argument("--worker-base-port", type=int, default=31000, help="instance i listens on this + i")
-    p.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin", "random", "power_of_two"))
+    p.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin", "random", "power_of_two", "kv_aware"))
     p.add_argument("--router-args", default="", help='extra router flags, one string: "--cache-threshold 0.5"')
     p.add_argument("--worker-kind", choices=("engine", "sim"), default="engine",
                    help="engine: fleetserve serve; sim: fleetserve sim-worker (simulated, see bench docs)")
@@ -146,6 +146,42 @@ def effective_policy(args: argparse.Namespace) -> str:
     return policy
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The last value given to ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``), else None."""
+    value = None
+    for i, tok in enumerate(argv):
+        if tok == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif tok.startswith(flag + "="):
+            value = tok.split("=", 1)[1]
+    return value
+
+
+def router_tokenizer_args(args: argparse.Namespace, instance_args: list[str]) -> list[str]:
+    """``["--tokenizer-path", DIR]`` for a kv_aware router in front of engines, unless given in --router-args.
+
+    DIR is the instances' ``--tokenizer-path`` / ``--model-path`` (a directory), or for a GGUF
+    (the built-in model too) the tokenizer directory the engine converts it to (made here if needed).
+    """
+    if effective_policy(args) != "kv_aware" or args.worker_kind != "engine":
+        return []
+    if _flag_value(shlex.split(args.router_args), "--tokenizer-path") is not None:
+        return []
+    path = (_flag_value(instance_args, "--tokenizer-path") or _flag_value(instance_args, "--model-path")
+            or _flag_value(instance_args, "--model"))
+    from fleetserve.models.config import is_gguf
+    from fleetserve.models.registry import default_model_path
+    from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
+
+    path = path or default_model_path()
+    if is_gguf(path):
+        folder = tokenizer_cache_dir(path)
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            load_tokenizer(path)  # converts and caches it
+        path = folder
+    return ["--tokenizer-path", path]
+
+
 # The example printed once the fleet is up: greedy (temperature 0) so that the first answer
 # shows the model at its best; the line after it says how to sample.
 EXAMPLE_BODY = ('{"messages":[{"role":"user","content":"What is the capital of France?"}],'
@@ -183,7 +219,8 @@ class Launcher:
                                       log=log_dir / f"worker{i}.log" if log_dir else None))
         self.router_url = f"http://{args.host}:{args.port}"
         rcmd = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
-                     "--worker-urls", *[w.url for w in self.workers], *shlex.split(args.router_args)]
+                     "--worker-urls", *[w.url for w in self.workers], *router_tokenizer_args(args, instance_args),
+                     *shlex.split(args.router_args)]
         self.router = Child("router", rcmd, self.router_url, log=log_dir / "router.log" if log_dir else None)
 
     # ---------------------------------------------------------------- helpers

@@ -76,6 +76,10 @@ class Router:
             self._tasks.append(asyncio.create_task(self._health_loop()))
         if getattr(self.policy, "tree", None) is not None:
             self._tasks.append(asyncio.create_task(self._eviction_loop()))
+        if getattr(self.policy, "index", None) is not None:  # kv_aware: follow the workers' KV events
+            from .kv_events.sources import KvEventSources, parse_endpoint_flags
+            self.kv_sources = KvEventSources(self.policy, parse_endpoint_flags(self.cfg.kv_events_endpoint))
+            self._tasks.append(asyncio.create_task(self.kv_sources.run(self)))
 
     async def stop(self) -> None:
         for t in (*self.pending.values(), *self.drains.values()):

@@ -26,9 +26,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from .kv_events import flags as kv_flags
 from .workers import normalize_url
 
-POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "kv_aware")
 CACHE_MISS_FALLBACKS = ("least_loaded", "smallest_tree")
 DEFAULT_QUEUE_SIZE = 100  # smg / sglang-router 0.3.2 --queue-size default
 DEFAULT_QUEUE_TIMEOUT_SECS = 60.0  # smg / sglang-router 0.3.2 --queue-timeout-secs default
@@ -95,6 +96,15 @@ class RouterConfig:
     @property
     def effective_queue_timeout_secs(self) -> float:
         return DEFAULT_QUEUE_TIMEOUT_SECS if self.queue_timeout_secs is None else self.queue_timeout_secs
+    # kv_aware (flags in kv_events/flags.py)
+    tokenizer_path: str | None = None
+    kv_events_endpoint: list[str] = field(default_factory=list)
+    kv_prefill_weight: float = 1.0
+    kv_load_weight: float = 1.0
+    kv_speculative_ttl_secs: float = 2.0
+    kv_index_max_blocks: int = 1 << 20
+    dp_aware: bool = False
+    no_route_header: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` on an out-of-range setting."""
@@ -160,6 +170,7 @@ class RouterConfig:
             raise ValueError("--api-key must not be empty")
         if not self.drain_timeout_secs > 0:
             raise ValueError(f"--drain-timeout-secs must be > 0, got {self.drain_timeout_secs:g}")
+        kv_flags.validate(self)
 
     @property
     def max_attempts(self) -> int:
@@ -284,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="POST /drain_worker: longest wait for the worker's in-flight requests before it is removed")
     from .compat import add_unsupported  # last: skips any flag defined above
     add_unsupported(p)
+    kv_flags.add_flags(p, d)
     return p
 
 

@@ -18,6 +18,7 @@ Families (prefix ``fleetserve_router_``):
 * ``routing_decision_seconds``: histogram of the time to choose a worker.
 * with ``--sticky-sessions``: ``sticky_sessions`` (sessions remembered) and
   ``sticky_decisions_total{result=hit|new|moved}``.
+* ``kv_*``: ``kv_aware``'s streams, index and loads (see :mod:`.kv_events.metrics`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ class RouterCollector:
             for label, attr in (("hit", "hits"), ("new", "new"), ("moved", "moved")):
                 sd.add_metric([label], getattr(sessions, attr))
             yield sd
+        if getattr(policy, "index", None) is not None:  # kv_aware: its streams, index and loads
+            from .kv_events.metrics import families
+            yield from families(policy)
         counts = r.stats.decision_counts
         buckets, acc = [], 0
         for bound, c in zip(DECISION_BUCKETS_S, counts):

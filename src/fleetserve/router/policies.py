@@ -236,4 +236,7 @@ def make_policy(name: str, cfg=None):
         return CacheAwarePolicy(cfg.cache_threshold, cfg.balance_abs_threshold, cfg.balance_rel_threshold,
                                 cfg.cache_miss_fallback, bounded_load_factor=cfg.bounded_load_factor,
                                 bounded_load_slack=cfg.bounded_load_slack)
+    if name == "kv_aware":
+        from .kv_events.flags import make_kv_aware
+        return make_kv_aware(cfg)
     raise ValueError(f"unknown policy {name!r}")

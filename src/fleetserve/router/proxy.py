@@ -119,21 +119,28 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
         if refused is not None:
             return refused
     router.handling += 1
+    text = routing_text(path, body)
+    prepare = getattr(router.policy, "prepare", None)  # kv_aware: token ids, tokenized off the loop
     try:
+        if prepare is not None:
+            text = await prepare(path, body, text)
         sessions = router.sessions
-        key = sessions.key(request.headers, body) if sessions is not None else None
-        return await _forward(router, request, path, routing_text(path, body), body.get("stream") is True, key)
+        session = sessions.key(request.headers, body) if sessions is not None else None
+        return await _forward(router, request, path, text, body.get("stream") is True, session)
     finally:
         router.handling -= 1
+        if prepare is not None:
+            router.policy.release(text)
         if admission is not None:
             admission.release()
 
 
-async def _forward(router: Router, request: Request, path: str, text: str, stream: bool,
-                   key: str | None = None) -> Response | None:
+async def _forward(router: Router, request: Request, path: str, text, stream: bool,
+                   session: str | None = None) -> Response | None:
     """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet.
 
-    ``key``: the session key (``--sticky-sessions``): its worker goes first when it can take the
+    ``text``: the routing key (the prompt text, or kv_aware's prepared token ids).
+    ``session``: the session key (``--sticky-sessions``): its worker goes first when it can take the
     request (see :mod:`.sessions`), and the session follows the worker each attempt goes to.
     """
     cfg = router.cfg
@@ -152,12 +159,12 @@ async def _forward(router: Router, request: Request, path: str, text: str, strea
             if fresh:
                 workers = fresh
         worker = None
-        if key is not None and not tried:
-            worker = router.sessions.select(key, workers, text, policy)
+        if session is not None and not tried:
+            worker = router.sessions.select(session, workers, text, policy)
         if worker is None:
             worker = policy.select(workers, text, retry=bool(tried))
-        if key is not None and worker is not None:
-            router.sessions.remember(key, worker.url)
+        if session is not None and worker is not None:
+            router.sessions.remember(session, worker.url)
         stats.observe_decision(time.perf_counter() - t0)
         if worker is None:
             stats.no_worker += 1
@@ -165,7 +172,9 @@ async def _forward(router: Router, request: Request, path: str, text: str, strea
                 return json_error(503, "no healthy worker available", "service_unavailable",
                                   code="no_healthy_worker")
             return failure
-        result = await _attempt(router, request, worker, path, headers, stream)
+        decorate = getattr(policy, "decorate", None)  # kv_aware: the DP rank to use, the route header
+        body, hdrs, shown = decorate(text, request.body, headers) if decorate else (request.body, headers, ())
+        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown)
         kind = type(result)
         if kind is not _Retry and kind is not _Busy:
             return result
@@ -184,7 +193,8 @@ async def _forward(router: Router, request: Request, path: str, text: str, strea
                                             cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
 
 
-async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool):
+async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool,
+                   body: bytes | None = None, shown=()):
     """One upstream attempt: the client's response, None once streamed, or a :class:`_Retry`.
 
     ``worker.load`` is held from before the send until this returns, whatever happens
@@ -195,22 +205,24 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
     resp = None
     try:
         try:
-            resp = await router.pool.post(worker.url, path, request.body, headers)
+            resp = await router.pool.post(worker.url, path, request.body if body is None else body, headers)
             status = resp.status
             if status in BUSY_STATUSES:
                 # not a failure: the circuit breaker is left as it is, so the worker gets traffic again
                 # the moment it has room; the answer (status, body, Retry-After) is kept for the client
                 data = await resp.read()
-                return _Busy(Response(status, data, resp.headers.get("content-type", _JSON), _forwarded_headers(resp)))
+                return _Busy(Response(status, data, resp.headers.get("content-type", _JSON),
+                                      [*_forwarded_headers(resp), *shown]))
             if status >= 500:
                 data = await resp.read()
                 _fail(worker)
                 return _Retry(Response(status, data, resp.headers.get("content-type", _JSON),
-                                       _forwarded_headers(resp)))
+                                       [*_forwarded_headers(resp), *shown]))
             if not stream or resp.content_type != "text/event-stream":
                 data = await resp.read()
                 worker.breaker.record_success()
-                return Response(status, data, resp.headers.get("content-type", _JSON), _forwarded_headers(resp))
+                return Response(status, data, resp.headers.get("content-type", _JSON),
+                                [*_forwarded_headers(resp), *shown])
             # a stream: nothing goes to the client before the first piece of body has arrived,
             # so a worker that fails before its first event is still retried elsewhere
             first = await resp.next_chunk()
@@ -219,7 +231,7 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             err = _upstream_error(e, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}")
             return _Retry(Response(504 if isinstance(e, UpstreamTimeoutError) else 502, orjson.dumps(err)))
         # streaming: from here on bytes reach the client, so no retry
-        await _stream(request, worker, resp, first)
+        await _stream(request, worker, resp, first, shown)
         return None
     finally:
         worker.load -= 1
@@ -227,10 +239,11 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             resp.release()
 
 
-async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes) -> None:
-    """Pass a streamed answer through chunk by chunk, as each arrives (``chunk``: the first piece, b'' if none)."""
+async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes, shown=()) -> None:
+    """Pass a streamed answer through chunk by chunk, as each arrives (``chunk``: the first piece, b'' if none;
+    ``shown``: extra response headers, e.g. kv_aware's route header)."""
     try:
-        extra = _forwarded_headers(resp)
+        extra = [*_forwarded_headers(resp), *shown]
         if "cache-control" not in resp.headers:
             extra.append(("Cache-Control", "no-cache"))
         request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"), extra)

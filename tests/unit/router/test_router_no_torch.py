@@ -12,7 +12,8 @@ import fleetserve.router
 def test_router_modules_do_not_import_torch():
     code = ("import sys; import fleetserve.router.cli, fleetserve.router.app, "
             "fleetserve.router.admin, fleetserve.router.proxy, fleetserve.router.routes, "
-            "fleetserve.router.metrics, fleetserve.router.health; "
+            "fleetserve.router.metrics, fleetserve.router.health, fleetserve.router.kv_events.policy, "
+            "fleetserve.router.kv_events.sources, fleetserve.router.kv_events.tokenize; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,66 @@
+"""The ``kv_aware`` flags of ``fleetserve router`` (their fields live in :class:`~..config.RouterConfig`).
+
+``--tokenizer-path`` and ``--dp-aware`` are sglang-router's flag names; the
+``--kv-*`` ones are ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_flags(p: argparse.ArgumentParser, d) -> None:
+    """Add the kv_aware group to ``p`` with the defaults of the RouterConfig ``d``."""
+    g = p.add_argument_group("kv_aware (precise routing on the engines' KV-cache events)")
+    g.add_argument("--tokenizer-path", default=d.tokenizer_path,
+                   help="kv_aware: tokenizer directory or tokenizer.json, to route on token ids (chat requests "
+                        "with its chat template); without it only token-id prompts are routed on events")
+    g.add_argument("--kv-events-endpoint", action="append", default=[], metavar="WORKER_URL=tcp://HOST:PORT",
+                   help="kv_aware: a worker's KV-event publisher (repeatable); others are found in their "
+                        "/get_server_info kv_events_config")
+    g.add_argument("--kv-prefill-weight", type=float, default=d.kv_prefill_weight,
+                   help="kv_aware: cost per uncached prompt token on a target")
+    g.add_argument("--kv-load-weight", type=float, default=d.kv_load_weight,
+                   help="kv_aware: cost per in-flight (prompt + decode) token on a target")
+    g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
+                   help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
+                        "arrive (0: off)")
+    g.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
+                   help="kv_aware: (target, block) entries the event index keeps, all workers together")
+    g.add_argument("--dp-aware", action="store_true",
+                   help="kv_aware: each DP rank of a worker is a target; the request names the chosen rank "
+                        "(routed_dp_rank in the body, X-data-parallel-rank header)")
+    g.add_argument("--no-route-header", action="store_true",
+                   help="kv_aware: do not add x-fleetserve-route (target, rank, branch, predicted cached tokens) "
+                        "to answers")
+
+
+def validate(cfg) -> None:
+    """Raise ``ValueError`` naming the flag on a bad kv_aware setting."""
+    from .sources import parse_endpoint_flags
+
+    if cfg.kv_prefill_weight < 0 or cfg.kv_load_weight < 0:
+        raise ValueError("--kv-prefill-weight and --kv-load-weight must be >= 0")
+    if cfg.kv_speculative_ttl_secs < 0:
+        raise ValueError("--kv-speculative-ttl-secs must be >= 0")
+    if cfg.kv_index_max_blocks < 1:
+        raise ValueError("--kv-index-max-blocks must be >= 1")
+    parse_endpoint_flags(cfg.kv_events_endpoint)
+    if cfg.tokenizer_path is not None:
+        path = os.path.expanduser(cfg.tokenizer_path)
+        tok = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(tok):
+            raise ValueError(f"--tokenizer-path {cfg.tokenizer_path}: no tokenizer.json there")
+
+
+def make_kv_aware(cfg):
+    """The :class:`~.policy.KvAwarePolicy` of a RouterConfig (``None``: defaults)."""
+    from .policy import KvAwarePolicy
+    from .tokenize import RouterTokenizer
+
+    if cfg is None:
+        return KvAwarePolicy()
+    tok = RouterTokenizer(cfg.tokenizer_path) if cfg.tokenizer_path else None
+    return KvAwarePolicy(cfg.kv_prefill_weight, cfg.kv_load_weight, cfg.kv_speculative_ttl_secs,
+                         cfg.kv_index_max_blocks, cfg.dp_aware, tok, route_header=not cfg.no_route_header)

@@ -1,0 +1,51 @@
+"""Prometheus families of ``kv_aware`` (prefix ``fleetserve_router_kv_``), built at scrape time.
+
+* ``stream_state{worker,dp_rank,state}``: 1 for the stream's trust (exact / degraded / fallback).
+* ``events_total``, ``batches_total``, ``malformed_total``, ``gaps_total``, ``replays_total``,
+  ``replay_failures_total`` ``{worker,dp_rank}``: what each subscription received.
+* ``index_blocks{worker,dp_rank}``: blocks the event index holds for the target.
+* ``index_evicted_total``, ``index_orphans_total``: entries dropped by ``--kv-index-max-blocks``;
+  stored blocks skipped for an unknown parent.
+* ``decisions_total{branch}``: decisions by the chosen target's trust.
+* ``load_tokens{target}``: in-flight tokens per target (``url`` or ``url#rank``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_P = "fleetserve_router_kv_"
+_COUNTERS = (("events", "events"), ("batches", "batches"), ("malformed", "malformed"), ("gaps", "gaps"),
+             ("replays", "replays"), ("replay_failures", "replay_failures"))
+
+
+def families(policy):
+    """Yield the families of a :class:`~.policy.KvAwarePolicy`."""
+    state = GaugeMetricFamily(_P + "stream_state", "Trust of each KV-event stream",
+                              labels=["worker", "dp_rank", "state"])
+    counters = {name: CounterMetricFamily(_P + name, f"KV-event stream: {name.replace('_', ' ')}",
+                                          labels=["worker", "dp_rank"]) for name, _ in _COUNTERS}
+    blocks = GaugeMetricFamily(_P + "index_blocks", "Blocks in the event index per target",
+                               labels=["worker", "dp_rank"])
+    for url, subs in list(policy.subs.items()):
+        for rank, sub in sorted(subs.items()):
+            lab = [url, str(rank)]
+            for s in ("exact", "degraded", "fallback"):
+                state.add_metric(lab + [s], 1 if sub.state == s else 0)
+            for name, attr in _COUNTERS:
+                counters[name].add_metric(lab, getattr(sub, attr))
+            blocks.add_metric(lab, policy.index.blocks_of((url, rank)))
+    yield state
+    yield from counters.values()
+    yield blocks
+    ix = policy.index
+    yield CounterMetricFamily(_P + "index_evicted", "Index entries dropped by --kv-index-max-blocks", value=ix.evicted)
+    yield CounterMetricFamily(_P + "index_orphans", "Stored blocks skipped: unknown parent", value=ix.orphans)
+    dec = CounterMetricFamily(_P + "decisions", "kv_aware decisions by the target's trust", labels=["branch"])
+    for branch, n in policy.decisions.items():
+        dec.add_metric([branch], n)
+    yield dec
+    load = GaugeMetricFamily(_P + "load_tokens", "In-flight prompt + decode tokens per target", labels=["target"])
+    for (url, rank), n in list(policy.load_tokens.items()):
+        load.add_metric([url if rank is None else f"{url}#{rank}"], n)
+    yield load

@@ -1,0 +1,244 @@
+"""``--policy kv_aware``: route to the lowest cost, from the engines' KV events and token loads.
+
+For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of a worker)::
+
+    cost(t) = --kv-prefill-weight x (prompt_tokens - cached_tokens(t))
+            + --kv-load-weight    x load_tokens(t)
+
+* ``cached_tokens(t)``: the prompt's prefix ``t`` holds, by the trust of its
+  KV-event stream (:mod:`.subscriber`): ``exact`` -> the event index (plus
+  speculative entries); ``degraded`` -> the larger of the index and the
+  approximate tree; ``fallback`` -> the approximate tree.  Without
+  ``--dp-aware`` a worker's value is the best of its ranks (the worker's own
+  DP balancer picks the rank).
+* ``load_tokens(t)``: this router's in-flight tokens on ``t``: each request
+  counts its prompt tokens plus its ``max_tokens`` / ``max_new_tokens``
+  (:data:`DEFAULT_DECODE_TOKENS` when absent, at most :data:`MAX_DECODE_TOKENS`)
+  from the routing decision until its answer ends.
+
+Lowest cost wins; ties go to the fewest in-flight requests, then registration
+order.  The scoring follows NVIDIA Dynamo's KV router (overlap blocks vs.
+active blocks, ``kv_overlap_score_weight``) and llm-d's precise prefix-cache
+scorer; the weights and units (tokens, not blocks) are ours.
+
+The approximate tree (the router's own record of what it sent, over the token
+ids' text form) is updated on every decision in every mode, so a target whose
+stream fails is routed as ``cache_aware`` would.  A routed request's full
+blocks count as cached on the chosen worker for ``--kv-speculative-ttl-secs``
+(speculative entries), so a burst of one new prefix follows its first request.
+Without token ids (no ``--tokenizer-path`` and a text prompt) the request is
+routed on its text in the tree, at about 4 characters per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+from ..radix_tree import RadixTree
+from ..routing_text import ids_text
+from .index import BlockIndex
+from .subscriber import DEGRADED, EXACT, FALLBACK
+from .tokenize import RouterTokenizer, request_ids_without_tokenizer
+
+log = logging.getLogger("fleetserve.router")
+
+DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
+MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
+CHARS_PER_TOKEN = 4  # for requests routed on their text (no token ids)
+
+
+class RouteKey:
+    """One request's routing input and, after :meth:`KvAwarePolicy.select`, its decision."""
+
+    __slots__ = ("text", "tokens", "prompt_tokens", "decode_tokens", "target", "rank", "branch", "cached",
+                 "charged")
+
+    def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS):
+        self.text = text
+        self.tokens = tokens
+        self.prompt_tokens = len(tokens) if tokens is not None else math.ceil(len(text) / CHARS_PER_TOKEN)
+        self.decode_tokens = decode_tokens
+        self.target = None  # (worker_url, rank or None)
+        self.rank = None
+        self.branch = None  # exact / degraded / fallback
+        self.cached = 0  # predicted cached prompt tokens on the target
+        self.charged = None  # (load key, tokens) added to the load
+
+    def tree_text(self) -> str:
+        return ids_text(self.tokens) if self.tokens else self.text
+
+    def route_header(self) -> str:
+        """The ``x-fleetserve-route`` value: ``target=URL; dp_rank=R|-; branch=B; cached_tokens=N; prompt_tokens=M``."""
+        rank = "-" if self.rank is None else str(self.rank)
+        return (f"target={self.target[0]}; dp_rank={rank}; branch={self.branch}; cached_tokens={self.cached}; "
+                f"prompt_tokens={self.prompt_tokens}")
+
+
+def with_dp_rank(body: bytes, rank: int) -> bytes:
+    """The JSON object ``body`` with ``"routed_dp_rank": rank`` added first (a client's own value, later, wins)."""
+    i = body.index(b"{") + 1
+    rest = body[i:]
+    sep = b"" if rest.strip() == b"}" else b","
+    return b'{"routed_dp_rank":%d' % rank + sep + rest
+
+
+def decode_budget(body: dict) -> int:
+    """Decode tokens a request counts in the load (see the module docstring)."""
+    v = body.get("max_completion_tokens", body.get("max_tokens"))
+    sp = body.get("sampling_params")
+    if v is None and isinstance(sp, dict):
+        v = sp.get("max_new_tokens")
+    if type(v) is not int or v < 0:
+        v = DEFAULT_DECODE_TOKENS
+    return min(v, MAX_DECODE_TOKENS)
+
+
+class KvAwarePolicy:
+    """See the module docstring.  ``select`` runs on the event loop; events arrive on threads."""
+
+    name = "kv_aware"
+
+    def __init__(self, prefill_weight: float = 1.0, load_weight: float = 1.0, speculative_ttl_s: float = 2.0,
+                 max_blocks: int = 1 << 20, dp_aware: bool = False, tokenizer: RouterTokenizer | None = None,
+                 tokenize_threads: int = 2, route_header: bool = True) -> None:
+        self.route_header = route_header
+        self.prefill_weight = prefill_weight
+        self.load_weight = load_weight
+        self.speculative_ttl_s = speculative_ttl_s
+        self.dp_aware = dp_aware
+        self.index = BlockIndex(max_blocks)
+        self.tree = RadixTree()
+        self.tokenizer = tokenizer
+        self._pool = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="kv-tokenize") if tokenizer else None
+        self.subs: dict[str, dict[int, object]] = {}  # worker url -> rank -> Subscription (set by the sources)
+        self.load_tokens: dict = {}  # (url, rank or None) -> in-flight tokens
+        self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
+        self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
+
+    # ------------------------------------------------------------ per request
+    async def prepare(self, path: str, body: dict, text: str) -> RouteKey:
+        """Token ids of the request (tokenized on a worker thread), as a :class:`RouteKey`."""
+        tokens = request_ids_without_tokenizer(path, body)
+        if tokens is None and self.tokenizer is not None:
+            loop = asyncio.get_running_loop()
+            try:
+                tokens = await loop.run_in_executor(self._pool, self.tokenizer.request_ids, path, body)
+            except Exception as e:  # a tokenizer failure must not fail the request: route on the text
+                log.warning("kv_aware: tokenization failed (%s: %s); routing on the text", type(e).__name__, e)
+                tokens = None
+        return RouteKey(text, tokens, decode_budget(body))
+
+    def ranks(self, url: str) -> list[int]:
+        subs = self.subs.get(url)
+        return sorted(subs) if subs else [0]
+
+    def trust(self, url: str, rank: int) -> str:
+        sub = self.subs.get(url, {}).get(rank)
+        return sub.state if sub is not None else FALLBACK
+
+    def select(self, workers: list, key, retry: bool = False):
+        """The worker with the lowest cost; the decision is written into ``key``."""
+        if not workers:
+            return None
+        if not isinstance(key, RouteKey):
+            key = RouteKey(key or "")
+        if key.charged is not None:
+            self.release(key)  # a retry: the failed attempt's tokens are no longer in flight
+        tokens = key.tokens
+        per_tenant = self.tree.match_per_tenant(key.tree_text()) if (tokens or key.text) else {}
+        tree_unit = 1 if tokens else 1 / CHARS_PER_TOKEN
+        targets = []  # (worker, rank or None, ranks to look at)
+        all_targets = []
+        for w in workers:
+            ranks = self.ranks(w.url)
+            all_targets.extend((w.url, r) for r in ranks)
+            if self.dp_aware:
+                targets.extend((w, r, (r,)) for r in ranks)
+            else:
+                targets.append((w, None, ranks))
+        matched = self.index.match(tokens, all_targets) if tokens else {}
+        best = None
+        for order, (w, rank, ranks) in enumerate(targets):
+            tenant = w.url if rank is None else f"{w.url}#{rank}"
+            tree_tokens = max(0, per_tenant.get(tenant, 0) - (1 if tokens else 0)) * tree_unit
+            cached, branch = -1, FALLBACK
+            for r in ranks:
+                state = self.trust(w.url, r)
+                ev = matched.get((w.url, r), 0)
+                c = ev if state == EXACT else max(ev, tree_tokens) if state == DEGRADED else tree_tokens
+                if c > cached:
+                    cached, branch = c, state
+            cached = min(int(cached), key.prompt_tokens)
+            lk = (w.url, rank)
+            cost = (self.prefill_weight * (key.prompt_tokens - cached)
+                    + self.load_weight * self.load_tokens.get(lk, 0))
+            reqs = self.inflight.get(lk, 0) if rank is not None else w.load
+            score = (cost, reqs, order)
+            if best is None or score < best[0]:
+                best = (score, w, rank, branch, cached)
+        _, w, rank, branch, cached = best
+        key.target, key.rank, key.branch, key.cached = (w.url, rank), rank, branch, cached
+        self.decisions[branch] += 1
+        self._record(w.url, rank, key)
+        return w
+
+    def decorate(self, key, body: bytes, headers: bytes):
+        """``(body, request header lines, response headers)`` for the attempt ``key`` was routed to.
+
+        With ``--dp-aware`` the chosen rank goes in the body (``routed_dp_rank``, SGLang) and in
+        the ``X-data-parallel-rank`` header (vLLM); ``x-fleetserve-route`` is added to the
+        answer unless ``--no-route-header``.
+        """
+        if not isinstance(key, RouteKey) or key.target is None:
+            return body, headers, ()
+        if key.rank is not None:
+            body = with_dp_rank(body, key.rank)
+            headers = headers + b"X-data-parallel-rank: %d\r\n" % key.rank
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route: %s", key.route_header())
+        return body, headers, ((("x-fleetserve-route", key.route_header()),) if self.route_header else ())
+
+    def _record(self, url: str, rank: int | None, key: RouteKey) -> None:
+        tenant = url if rank is None else f"{url}#{rank}"
+        text = key.tree_text()
+        if text:
+            self.tree.insert(text, tenant)
+        if key.tokens and self.speculative_ttl_s > 0:
+            for r in ((rank,) if rank is not None else self.ranks(url)):
+                self.index.add_speculative((url, r), key.tokens, self.speculative_ttl_s)
+        lk = (url, rank)
+        n = key.prompt_tokens + key.decode_tokens
+        self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
+        self.inflight[lk] = self.inflight.get(lk, 0) + 1
+        key.charged = (lk, n)
+
+    def release(self, key) -> None:
+        """The request's answer ended (or its attempt failed): take its tokens out of the load."""
+        if not isinstance(key, RouteKey) or key.charged is None:
+            return
+        lk, n = key.charged
+        key.charged = None
+        left = self.load_tokens.get(lk, 0) - n
+        if left > 0:
+            self.load_tokens[lk] = left
+        else:
+            self.load_tokens.pop(lk, None)
+        reqs = self.inflight.get(lk, 0) - 1
+        if reqs > 0:
+            self.inflight[lk] = reqs
+        else:
+            self.inflight.pop(lk, None)
+
+    # ------------------------------------------------------------ workers
+    def on_worker_removed(self, url: str) -> None:
+        prefix = url + "#"
+        for tenant in [t for t in self.tree.tenant_sizes() if t == url or t.startswith(prefix)]:
+            self.tree.remove_tenant(tenant)
+        self.index.drop_worker(url)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

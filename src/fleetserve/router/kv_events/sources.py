@@ -1,0 +1,169 @@
+"""Which KV-event streams to subscribe to, kept in step with the router's workers.
+
+A worker's streams come from ``--kv-events-endpoint WORKER_URL=tcp://HOST:PORT``
+(repeatable; for vLLM, which has no ``/get_server_info``) or else from its
+``GET /get_server_info`` (SGLang and ours): ``kv_events_config`` (a JSON
+string, or an object) with ``endpoint``, optional ``replay_endpoint`` and
+``topic``, and ``dp_size`` (or ``data_parallel_size``).  A wildcard host
+(``*``, ``0.0.0.0``, ``::``) means the worker's own host, and DP rank ``r``
+publishes on the endpoint's port ``+ r`` (the ``offset_endpoint_port`` rule of
+vLLM and SGLang); the replay endpoint is offset the same way.
+
+:meth:`KvEventSources.sync` runs every :data:`SYNC_INTERVAL_S`: workers added
+at run time are subscribed, removed ones are unsubscribed and their entries
+dropped.  A worker whose info has no KV-event config is asked again every
+:data:`REDISCOVER_S`; until then it is routed by the approximate tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from urllib.parse import urlsplit
+
+import zmq
+
+from .subscriber import Subscription
+
+log = logging.getLogger("fleetserve.router")
+
+SYNC_INTERVAL_S = 1.0
+REDISCOVER_S = 10.0
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+def parse_endpoint_flags(values: list[str]) -> dict[str, str]:
+    """``WORKER_URL=tcp://HOST:PORT`` items -> {normalized url: endpoint}; raises ``ValueError`` naming the item."""
+    from ..workers import normalize_url
+
+    out = {}
+    for v in values or []:
+        url, sep, ep = v.partition("=")
+        if not sep or not ep.startswith("tcp://") or ":" not in ep[len("tcp://"):]:
+            raise ValueError(f"--kv-events-endpoint {v!r}: give WORKER_URL=tcp://HOST:PORT")
+        try:
+            port = int(ep.rsplit(":", 1)[1])
+        except ValueError:
+            port = 0
+        if not 1 <= port <= 65535:
+            raise ValueError(f"--kv-events-endpoint {v!r}: the port must be in 1..65535")
+        out[normalize_url(url)] = ep
+    return out
+
+
+def rank_endpoint(endpoint: str, worker_url: str, rank: int) -> str:
+    """``endpoint`` with a wildcard host replaced by the worker's host and the port offset by ``rank``."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint if rank == 0 else f"{endpoint}_dp{rank}"  # ipc/inproc: vLLM's suffix rule
+    hostport = endpoint[len("tcp://"):]
+    host, _, port = hostport.rpartition(":")
+    if host in _WILDCARDS:
+        h = urlsplit(worker_url).hostname or "127.0.0.1"
+        host = f"[{h}]" if ":" in h else h
+    return f"tcp://{host}:{int(port) + rank}"
+
+
+def endpoints_from_info(info: dict, worker_url: str) -> list[tuple[int, str, str | None, str]] | None:
+    """``(rank, endpoint, replay_endpoint, topic)`` per DP rank from ``/get_server_info``; None without config."""
+    cfg = info.get("kv_events_config")
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except ValueError:
+            return None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("endpoint"), str):
+        return None
+    if cfg.get("publisher", "zmq") not in ("zmq",):
+        return None
+    dp = info.get("dp_size", info.get("data_parallel_size", 1))
+    dp = dp if type(dp) is int and dp >= 1 else 1
+    replay = cfg.get("replay_endpoint") if isinstance(cfg.get("replay_endpoint"), str) else None
+    topic = cfg.get("topic") if isinstance(cfg.get("topic"), str) else ""
+    return [(r, rank_endpoint(cfg["endpoint"], worker_url, r),
+             rank_endpoint(replay, worker_url, r) if replay else None, topic) for r in range(dp)]
+
+
+class KvEventSources:
+    """The subscriptions of a :class:`~.policy.KvAwarePolicy`, in step with the worker registry."""
+
+    def __init__(self, policy, flag_endpoints: dict[str, str] | None = None) -> None:
+        self.policy = policy
+        self.flag_endpoints = flag_endpoints or {}
+        self.ctx = zmq.Context()
+        self._asked: dict[str, float] = {}  # url -> when its info was last asked for (no config found)
+
+    async def run(self, router) -> None:
+        """Sync every :data:`SYNC_INTERVAL_S` until cancelled; then end every subscription."""
+        try:
+            while True:
+                try:
+                    await self.sync(router)
+                except Exception:  # pragma: no cover - keep syncing whatever a worker answers
+                    log.exception("kv-events sync failed")
+                await asyncio.sleep(SYNC_INTERVAL_S)
+        finally:
+            self.close()
+
+    async def sync(self, router) -> None:
+        policy = self.policy
+        urls = set(router.registry.urls())
+        for url in [u for u in policy.subs if u not in urls]:
+            self.unsubscribe(url)
+        for url in urls - set(policy.subs):
+            if time.monotonic() - self._asked.get(url, -1e9) < REDISCOVER_S:
+                continue
+            eps = await self.discover(router, url)
+            if url not in set(router.registry.urls()) or url in policy.subs:
+                continue  # removed (or subscribed) during the wait
+            if not eps:
+                self._asked[url] = time.monotonic()
+                continue
+            self._asked.pop(url, None)
+            subs = {}
+            for rank, ep, replay, topic in eps:
+                s = Subscription(url, rank, ep, policy.index, replay, topic, self.ctx)
+                s.start()
+                subs[rank] = s
+            policy.subs[url] = subs
+            log.info("kv-events: %s subscribed: %s", url,
+                     ", ".join(f"rank {r} {ep}" + (f" (replay {rp})" if rp else "") for r, ep, rp, _ in eps))
+
+    async def discover(self, router, url: str):
+        """The worker's streams: from the flag, else from its ``/get_server_info`` (None when it has none)."""
+        info = None
+        try:
+            import aiohttp
+
+            async with router.session.get(url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status == 200:
+                    info = await r.json(content_type=None)
+        except Exception as e:  # unreachable, not JSON, ...: ask again later
+            log.debug("kv-events: %s/get_server_info: %s", url, e)
+        if not isinstance(info, dict):
+            info = {}
+        ep = self.flag_endpoints.get(url)
+        if ep is not None:
+            dp = info.get("dp_size", info.get("data_parallel_size", 1))
+            dp = dp if type(dp) is int and dp >= 1 else 1
+            return [(r, rank_endpoint(ep, url, r), None, "") for r in range(dp)]
+        return endpoints_from_info(info, url)
+
+    def unsubscribe(self, url: str) -> None:
+        subs = self.policy.subs.pop(url, {})
+        for s in subs.values():
+            s.stop(timeout=0.5)
+        self.policy.index.drop_worker(url)
+        self._asked.pop(url, None)
+        if subs:
+            log.info("kv-events: %s unsubscribed", url)
+
+    def close(self) -> None:
+        for url in list(self.policy.subs):
+            subs = self.policy.subs.pop(url)
+            for s in subs.values():
+                s._stop.set()
+            for s in subs.values():
+                s.stop(timeout=1.0)
+        self.policy.close()

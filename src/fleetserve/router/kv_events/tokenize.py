@@ -1,0 +1,162 @@
+"""Router-side tokenization (``--tokenizer-path``): the ids the engine will see, without torch.
+
+``tokenizers.Tokenizer`` encodes; the chat template is rendered with jinja2 in
+a sandbox, with the context transformers' ``apply_chat_template`` gives it
+(``messages``, ``tools``, ``add_generation_prompt``, the special tokens,
+``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII), and
+the text is then encoded without special tokens, as our engine and SGLang do.
+(transformers itself is not used: importing it imports torch.)
+
+``--tokenizer-path`` is a tokenizer directory (``tokenizer.json`` plus
+``tokenizer_config.json`` and optionally ``chat_template.jinja``) or a
+``tokenizer.json`` file (its directory is searched for the other two).
+
+Which ids a request gets (:meth:`RouterTokenizer.request_ids`):
+
+* ``/v1/chat/completions``: the rendered ``messages`` (plus ``tools``,
+  ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``);
+* ``/v1/completions``: a string ``prompt`` encoded with special tokens, or its token ids;
+* ``/generate``: ``input_ids``, else ``text`` encoded with special tokens.
+
+A batch (a list of prompts) or anything that does not fit gives None: the
+request is then routed by its text alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+
+from tokenizers import Tokenizer
+
+_CONTEXT_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _token_text(v) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):  # AddedToken as saved by older transformers
+        return v["content"]
+    return None
+
+
+class RouterTokenizer:
+    """A tokenizer and chat template read from ``path``; raises ``ValueError`` naming what is missing."""
+
+    def __init__(self, path: str) -> None:
+        path = os.path.abspath(os.path.expanduser(path))
+        if os.path.isdir(path):
+            folder, tok_file = path, os.path.join(path, "tokenizer.json")
+        else:
+            folder, tok_file = os.path.dirname(path), path
+        if not os.path.isfile(tok_file):
+            raise ValueError(f"no tokenizer.json at {tok_file}")
+        try:
+            self.tokenizer = Tokenizer.from_file(tok_file)
+        except Exception as e:  # tokenizers raises Exception subclasses from Rust
+            raise ValueError(f"cannot read {tok_file}: {e}") from None
+        self.path = path
+        cfg = {}
+        cfg_file = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(cfg_file):
+            with open(cfg_file, encoding="utf-8") as f:
+                cfg = json.load(f)
+        self.special = {k: _token_text(cfg.get(k)) for k in _CONTEXT_TOKENS}
+        template = None
+        jinja_file = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        elif isinstance(cfg.get("chat_template"), str):
+            template = cfg["chat_template"]
+        elif isinstance(cfg.get("chat_template"), list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in cfg["chat_template"] if isinstance(t, dict)}
+            template = named.get("default")
+        self.chat_template = template
+        self._compiled = None
+
+    # ------------------------------------------------------------ encoding
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def render_chat(self, messages: list, tools=None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, extra: dict | None = None) -> str:
+        """The chat template applied to ``messages``; raises ``ValueError`` without a template or on a misfit."""
+        if not self.chat_template:
+            raise ValueError("the tokenizer has no chat template")
+        if self._compiled is None:
+            self._compiled = _environment().from_string(self.chat_template)
+        ctx = {k: v for k, v in self.special.items() if v is not None}
+        ctx.update(extra or {})
+        ctx.update(messages=messages, add_generation_prompt=add_generation_prompt and not continue_final_message)
+        if tools:
+            ctx["tools"] = tools
+        try:
+            text = self._compiled.render(**ctx)
+        except Exception as e:  # jinja2 TemplateError, or raise_exception() from the template
+            raise ValueError(f"messages do not fit the chat template: {e}") from None
+        if continue_final_message and messages and isinstance(messages[-1].get("content"), str):
+            # as transformers: cut the rendered text after the final message's content
+            final = messages[-1]["content"].strip()
+            cut = text.rfind(final)
+            if cut >= 0:
+                text = text[:cut + len(final)]
+        return text
+
+    def request_ids(self, path: str, body: dict) -> list[int] | None:
+        """Token ids of one request body (see the module docstring); None when it has none to give."""
+        try:
+            if path == "/v1/chat/completions":
+                msgs = body.get("messages")
+                if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                    return None
+                extra = body.get("chat_template_kwargs")
+                text = self.render_chat(msgs, body.get("tools"), body.get("add_generation_prompt", True) is not False,
+                                        body.get("continue_final_message") is True,
+                                        extra if isinstance(extra, dict) else None)
+                return self.encode(text, add_special_tokens=False)
+            prompt = body.get("prompt") if path == "/v1/completions" else (
+                body.get("input_ids") if body.get("input_ids") is not None else body.get("text"))
+            if isinstance(prompt, str):
+                return self.encode(prompt)
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return prompt
+            if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one
+                p = prompt[0]
+                if isinstance(p, str):
+                    return self.encode(p)
+                if isinstance(p, list) and p and all(type(t) is int for t in p):
+                    return p
+        except ValueError:
+            return None
+        return None
+
+
+def request_ids_without_tokenizer(path: str, body: dict) -> list[int] | None:
+    """Token ids a request gives itself (``input_ids`` / a token-id ``prompt``); None otherwise."""
+    prompt = body.get("prompt") if path == "/v1/completions" else body.get("input_ids")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
+def _environment():
+    """A sandboxed jinja2 environment set up as transformers sets up chat templates."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env

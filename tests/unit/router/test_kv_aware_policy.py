@@ -1,0 +1,117 @@
+"""The kv_aware cost on hand-built states: cost = wp x uncached + wl x load tokens; trust; speculation."""
+
+from types import SimpleNamespace
+
+from fleetserve.router.kv_events.decode import BlockStored
+from fleetserve.router.kv_events.policy import DEFAULT_DECODE_TOKENS, KvAwarePolicy, RouteKey, decode_budget
+from fleetserve.router.workers import Worker
+
+A, B = "http://a:1", "http://b:1"
+P = list(range(1000, 1032))  # 32 tokens = 8 blocks of 4
+
+
+def policy(states=None, **kw):
+    pol = KvAwarePolicy(**kw)
+    for url, st in (states or {}).items():
+        pol.subs[url] = {r: SimpleNamespace(state=s) for r, s in enumerate(st)}
+    return pol
+
+
+def store(pol, url, tokens, rank=0):
+    pol.index.apply((url, rank), BlockStored(list(range(len(tokens) // 4)), None, tokens[:len(tokens) // 4 * 4], 4))
+
+
+def test_cached_prefix_wins_and_the_decision_is_recorded():
+    pol = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0)
+    store(pol, B, P)
+    wa, wb = Worker(A), Worker(B)
+    key = RouteKey("", P + [1, 2], decode_tokens=10)
+    assert pol.select([wa, wb], key) is wb
+    assert (key.target, key.branch, key.cached) == ((B, None), "exact", 32)
+    assert pol.load_tokens == {(B, None): 34 + 10}
+    pol.release(key)
+    assert pol.load_tokens == {} and pol.inflight == {}
+
+
+def test_load_in_tokens_outweighs_a_short_match():
+    pol = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0)
+    store(pol, B, P[:8])  # 8 cached tokens on B
+    pol.load_tokens[(B, None)] = 20  # but 20 tokens in flight there: B costs 34 - 8 + 20 = 46 > A's 34
+    assert pol.select([Worker(A), Worker(B)], RouteKey("", P + [1, 2], 0)).url == A
+    pol2 = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0, load_weight=0.1)
+    store(pol2, B, P[:8])
+    pol2.load_tokens[(B, None)] = 20  # with --kv-load-weight 0.1: 26 + 2 = 28 < 34
+    assert pol2.select([Worker(A), Worker(B)], RouteKey("", P + [1, 2], 0)).url == B
+
+
+def test_ties_go_to_fewer_requests_in_flight_then_order():
+    pol = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0)
+    wa, wb = Worker(A), Worker(B)
+    assert pol.select([wa, wb], RouteKey("", [1, 2, 3], 0)).url == A
+    wa.load = 1
+    pol.load_tokens.clear()
+    assert pol.select([wa, wb], RouteKey("", [7, 8, 9], 0)).url == B
+
+
+def test_fallback_uses_the_tree_and_exact_ignores_it():
+    pol = policy({A: ["fallback"], B: ["exact"]}, speculative_ttl_s=0)
+    pol.tree.insert(RouteKey("", P).tree_text(), A)
+    pol.tree.insert(RouteKey("", P).tree_text(), B)  # the router sent it to B too, but B's engine says no
+    key = RouteKey("", P, 0)
+    assert pol.select([Worker(A), Worker(B)], key).url == A
+    assert (key.branch, key.cached) == ("fallback", 32)
+
+
+def test_degraded_takes_the_larger_of_index_and_tree():
+    pol = policy({A: ["degraded"], B: ["exact"]}, speculative_ttl_s=0)
+    store(pol, A, P[:8])
+    store(pol, B, P[:16])
+    pol.tree.insert(RouteKey("", P[:24]).tree_text(), A)
+    key = RouteKey("", P, 0)
+    assert pol.select([Worker(A), Worker(B)], key).url == A
+    assert (key.branch, key.cached) == ("degraded", 24)
+
+
+def test_a_burst_of_one_new_prefix_follows_the_first_request():
+    pol = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=5.0, load_weight=0.01)
+    store(pol, A, [0, 0, 0, 0])  # block sizes are known from the first events
+    store(pol, B, [0, 0, 0, 0])
+    wa, wb = Worker(A), Worker(B)
+    first = pol.select([wa, wb], RouteKey("", P, 0))
+    for _ in range(5):
+        assert pol.select([wa, wb], RouteKey("", P + [9], 0)) is first
+    off = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0.0)
+    store(off, A, [0, 0, 0, 0])
+    store(off, B, [0, 0, 0, 0])
+    got = {off.select([wa, wb], RouteKey("", P, 0)).url for _ in range(4)}
+    assert got == {A, B}  # without speculation the load spreads the burst
+
+
+def test_dp_aware_picks_a_rank_and_without_it_a_worker_takes_its_best_rank():
+    pol = policy({A: ["exact", "exact"]}, speculative_ttl_s=0, dp_aware=True)
+    store(pol, A, P, rank=1)
+    key = RouteKey("", P, 0)
+    assert pol.select([Worker(A)], key).url == A and key.rank == 1 and key.cached == 32
+    pol2 = policy({A: ["exact", "exact"], B: ["exact"]}, speculative_ttl_s=0)
+    store(pol2, A, P, rank=1)
+    key = RouteKey("", P, 0)
+    assert pol2.select([Worker(B), Worker(A)], key).url == A and key.rank is None and key.cached == 32
+
+
+def test_text_without_tokens_is_routed_on_the_tree_in_token_units():
+    pol = policy({}, speculative_ttl_s=0)
+    text = "x" * 400
+    k1 = RouteKey(text)
+    assert k1.prompt_tokens == 100
+    w = pol.select([Worker(A), Worker(B)], k1)
+    pol.release(k1)
+    k2 = RouteKey(text + "y")
+    assert pol.select([Worker(A), Worker(B)], k2).url == w.url and k2.cached == 100
+
+
+def test_decode_budget():
+    assert decode_budget({"max_tokens": 7}) == 7
+    assert decode_budget({"max_completion_tokens": 9, "max_tokens": 7}) == 9
+    assert decode_budget({"sampling_params": {"max_new_tokens": 5}}) == 5
+    assert decode_budget({}) == DEFAULT_DECODE_TOKENS
+    assert decode_budget({"max_tokens": 10**9}) == 1024

@@ -1,0 +1,87 @@
+"""Router-side tokenization: the same ids as the engine's tokenizer (transformers), without torch."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fleetserve.models.registry import default_model_path
+from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief. Réponds en français."},
+     {"role": "user", "content": "2+2? 你好 🙂"},
+     {"role": "assistant", "content": "4"},
+     {"role": "user", "content": "And 3+3?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    path = default_model_path()
+    load_tokenizer(path)  # converts the GGUF's tokenizer once (cached)
+    return tokenizer_cache_dir(path)
+
+
+@pytest.fixture(scope="module")
+def engine_tokenizer(smollm2_dir):
+    return load_tokenizer(default_model_path())
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_ids_match_the_engine(smollm2_dir, engine_tokenizer, messages):
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+
+    rt = RouterTokenizer(smollm2_dir)
+    ours = rt.request_ids("/v1/chat/completions", {"messages": messages})
+    text = engine_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    theirs = engine_tokenizer.encode(text, add_special_tokens=False)
+    assert ours == theirs and len(ours) > 10
+    # a tokenizer.json path works as well as its directory
+    assert RouterTokenizer(os.path.join(smollm2_dir, "tokenizer.json")).request_ids(
+        "/v1/chat/completions", {"messages": messages}) == theirs
+
+
+def test_text_prompts_and_ids(smollm2_dir, engine_tokenizer):
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+
+    rt = RouterTokenizer(smollm2_dir)
+    s = "Once upon a time, in a land far away"
+    assert rt.request_ids("/v1/completions", {"prompt": s}) == engine_tokenizer.encode(s)
+    assert rt.request_ids("/generate", {"text": s}) == engine_tokenizer.encode(s)
+    assert rt.request_ids("/generate", {"input_ids": [5, 6, 7]}) == [5, 6, 7]
+    assert rt.request_ids("/v1/completions", {"prompt": ["a", "b"]}) is None  # a batch: routed by text
+    assert rt.request_ids("/v1/chat/completions", {"messages": "nope"}) is None
+
+
+def test_no_torch_after_loading_and_tokenizing(smollm2_dir):
+    code = ("import sys; from fleetserve.router.kv_events.tokenize import RouterTokenizer; "
+            f"t = RouterTokenizer({smollm2_dir!r}); "
+            "assert t.request_ids('/v1/chat/completions', {'messages': [{'role': 'user', 'content': 'hi'}]}); "
+            "import fleetserve.router.cli; assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+
+
+def test_bad_tokenizer_path_is_one_line_naming_the_flag(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fleetserve.cli", "router", "--policy", "kv_aware",
+                          "--tokenizer-path", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--tokenizer-path" in out.stderr.strip().splitlines()[-1]
+    out = subprocess.run([sys.executable, "-m", "fleetserve.cli", "router", "--policy", "kv_aware",
+                          "--kv-events-endpoint", "http://a:1=udp://x"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--kv-events-endpoint" in out.stderr.strip().splitlines()[-1]
+
+
+def test_launch_gives_a_kv_aware_router_the_built_in_models_tokenizer(smollm2_dir):
+    from fleetserve.launch import build_parser, router_tokenizer_args
+
+    args, rest = build_parser().parse_known_args(["--policy", "kv_aware"])
+    assert router_tokenizer_args(args, rest) == ["--tokenizer-path", smollm2_dir]
+    args, rest = build_parser().parse_known_args(["--policy", "kv_aware", "--router-args", "--tokenizer-path /t"])
+    assert router_tokenizer_args(args, rest) == []
+    args, rest = build_parser().parse_known_args(["--model-path", "/m"])
+    assert router_tokenizer_args(args, rest) == []  # cache_aware needs none

@@ -1,0 +1,40 @@
+"""Where a worker's KV-event streams are: /get_server_info's kv_events_config and the flag."""
+
+import json
+
+import pytest
+
+from fleetserve.router.kv_events.sources import endpoints_from_info, parse_endpoint_flags, rank_endpoint
+
+
+def test_wildcard_host_is_the_workers_and_ranks_offset_the_port():
+    assert rank_endpoint("tcp://*:5557", "http://10.0.0.7:30000", 0) == "tcp://10.0.0.7:5557"
+    assert rank_endpoint("tcp://0.0.0.0:5557", "http://10.0.0.7:30000", 3) == "tcp://10.0.0.7:5560"
+    assert rank_endpoint("tcp://[::]:5557", "http://[fd00::1]:30000", 1) == "tcp://[fd00::1]:5558"
+    assert rank_endpoint("tcp://pubhost:6000", "http://10.0.0.7:30000", 1) == "tcp://pubhost:6001"
+    assert rank_endpoint("ipc:///tmp/kv", "http://h:1", 2) == "ipc:///tmp/kv_dp2"  # vLLM's suffix rule
+
+
+def test_sglang_style_server_info():
+    info = {"dp_size": 2, "kv_events_config": json.dumps(
+        {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600", "topic": "kv"})}
+    assert endpoints_from_info(info, "http://h:30000") == [
+        (0, "tcp://h:5557", "tcp://h:5600", "kv"), (1, "tcp://h:5558", "tcp://h:5601", "kv")]
+    assert endpoints_from_info({"kv_events_config": {"endpoint": "tcp://*:1"}}, "http://h:2") == [
+        (0, "tcp://h:1", None, "")]  # an object works as well as its JSON string
+
+
+@pytest.mark.parametrize("info", [{}, {"kv_events_config": None}, {"kv_events_config": "{not json"},
+                                  {"kv_events_config": json.dumps({"publisher": "null"})},
+                                  {"kv_events_config": json.dumps({"publisher": "null", "endpoint": "tcp://*:1"})}])
+def test_no_usable_config_is_none(info):
+    assert endpoints_from_info(info, "http://h:1") is None
+
+
+def test_flag_parsing():
+    assert parse_endpoint_flags(["127.0.0.1:8000=tcp://127.0.0.1:5557"]) == {
+        "http://127.0.0.1:8000": "tcp://127.0.0.1:5557"}
+    for bad in ["http://h:1", "http://h:1=udp://h:2", "http://h:1=tcp://h:0", "http://h:1=tcp://h:x",
+                "notaurl=tcp://h:1"]:
+        with pytest.raises(ValueError):
+            parse_endpoint_flags([bad])
