@@ -1,5 +1,6 @@
 """``fleetserve launch`` with one real engine instance (SmolLM2): a chat request through
-the router, then SIGTERM stops the launcher, router, engine and its scheduler processes."""
+the router, then SIGTERM stops the launcher, router, engine and its scheduler processes.
+The instance's lines come prefixed ``[worker0]``, without uvicorn's access log."""
 
 import os
 import sys
@@ -35,6 +36,8 @@ def test_launch_engine_serves_and_stops_clean():
     finally:
         code = lp.stop(timeout=60)
     assert code == 0, lp.lines[-20:]
+    assert any(x.startswith("[worker0] ") and "serving SmolLM2" in x for x in lp.lines), lp.lines[-40:]
+    assert not [x for x in lp.lines if "POST /v1/chat/completions" in x or "GET /health" in x]
     deadline = time.monotonic() + 15
     while any(alive(p) for p in every) and time.monotonic() < deadline:
         time.sleep(0.2)
