@@ -27,6 +27,10 @@ Life cycle:
    process is killed outright (SIGKILL), each child gets SIGTERM from the kernel
    (``PR_SET_PDEATHSIG``, Linux), so nothing outlives the launch.
 
+Before step 1, the instances' memory is estimated (``launch/memory.py``: weights + KV pool +
+measured overhead) and a fleet that would not fit in ``MemAvailable`` is refused with one line
+(``--skip-memory-check`` starts it anyway).
+
 Each child's PID is printed (``pid=``) so that scripts and tests can check that
 none is left behind.
 """
@@ -108,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--log-dir", default=None, help="also write each child's output, unprefixed, to "
                    "<log-dir>/<name>.log (appended); every line still comes to this terminal as [name] ...")
+    p.add_argument("--skip-memory-check", action="store_true", help="start even if the instances' estimated "
+                   "memory (weights + KV pool + overhead, see launch/memory.py) exceeds MemAvailable")
     p.add_argument("--access-log", action="store_true", help="let instances log one line per HTTP request "
                    "(uvicorn's access log; health checks included); off by default")
     return p
@@ -330,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"[launch] --port 0: the router will listen on port {args.port}", flush=True)
     bad = check_ports(args)
+    if bad:
+        print(f"fleetserve launch: {bad}", file=sys.stderr)
+        return 2
+    from fleetserve.launch.memory import check_fleet_memory
+
+    bad, note = check_fleet_memory(args, instance_args)
+    if note:
+        print(f"[launch] {note}", flush=True)
     if bad:
         print(f"fleetserve launch: {bad}", file=sys.stderr)
         return 2
