@@ -31,6 +31,12 @@ Before step 1, the instances' memory is estimated (``launch/memory.py``: weights
 measured overhead) and a fleet that would not fit in ``MemAvailable`` is refused with one line
 (``--skip-memory-check`` starts it anyway).
 
+Output: every child writes to a pipe and each of its lines is printed here as ``[name] line``
+(``launch/output.py``); ``--log-dir DIR`` also appends them, unprefixed, to ``DIR/<name>.log``.
+Instances log no line per request unless ``--access-log`` (``serve`` gets
+``--disable-uvicorn-access-log``). ``--port 0``: a free port is picked here and printed before
+the router starts.
+
 Each child's PID is printed (``pid=``) so that scripts and tests can check that
 none is left behind.
 """
@@ -140,7 +146,7 @@ def check_ports(args: argparse.Namespace) -> str | None:
     """
     from fleetserve.entrypoints.ports import port_busy_error, port_range_error
 
-    bad = port_range_error("--port", args.port)
+    bad = port_range_error("--port", args.port, allow_zero=True)  # 0 is resolved in main()
     if bad:
         return bad
     bad = port_range_error("--worker-base-port", args.worker_base_port, args.workers)

@@ -37,7 +37,7 @@ GIB = 1 << 30
 FRONT_OVERHEAD_BYTES = 350 * MIB
 #: Resident memory of one rank process besides its weights and KV pool (interpreter, torch,
 #: activations, the radix tree), same measurement: 3,558 MB RSS - 538 MB weights - 2,344 MB
-#: KV pool = 676 MB, rounded up.
+#: KV pool = 676 MB; with ``--max-total-tokens 4096``: 1,415 - 538 - 189 = 688 MB. Rounded up.
 RANK_OVERHEAD_BYTES = 700 * MIB
 
 
