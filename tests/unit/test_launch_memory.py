@@ -2,6 +2,8 @@
 (the available-memory figure injected, so nothing heavy starts)."""
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -67,23 +69,46 @@ def test_launch_refuses_a_fleet_that_does_not_fit(monkeypatch, capsys):
     assert lines[0].startswith("fleetserve launch: --workers 1: the fleet needs about 1.7 GiB of memory, "
                                "1.0 GiB is available"), lines[0]
     assert "--skip-memory-check" in lines[0]
+    assert "[launch] memory: about 1.7 GiB per instance" in out
     assert "started" not in out  # no child was started
 
 
-def test_fleet_that_fits_gets_a_note_and_skip_flag_skips(monkeypatch):
-    argv = ["--workers", "2", "--max-total-tokens", "4096", "--dtype", "float32"]
-    args, rest = launch.build_parser().parse_known_args(argv)
-    bad, note = memory.check_fleet_memory(args, rest, available=64 * GIB)
+def test_the_launcher_itself_never_imports_torch():
+    # the estimate runs in a child process; the launcher (alive as long as the fleet) stays small
+    script = ("import sys; from fleetserve import launch; from fleetserve.launch import memory; "
+              "memory.available_memory_bytes = lambda: 1 << 30; "
+              f"rc = launch.main({_argv('--max-total-tokens', '4096')!r}); "
+              "print(rc, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().splitlines()[-1] == "2 False", (done.stdout, done.stderr)
+
+
+def test_fleet_that_fits_gets_a_note():
+    argv = ["--max-total-tokens", "4096", "--dtype", "float32"]
+    bad, note = memory.check_fleet_memory(2, argv, available=64 * GIB)
     assert bad is None and note.startswith("memory: about 1.7 GiB per instance") and "3.4 GiB for 2" in note
-    bad, _ = memory.check_fleet_memory(args, rest, available=3 * GIB)
+    bad, _ = memory.check_fleet_memory(2, argv, available=3 * GIB)
     assert bad.startswith("--workers 2: the fleet needs about 3.4 GiB")
-    args.skip_memory_check = True
-    assert memory.check_fleet_memory(args, rest, available=1) == (None, None)
+
+
+def test_skip_flag_and_sim_workers_are_not_checked(monkeypatch):
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1)
+    args, rest = launch.build_parser().parse_known_args(["--workers", "64", "--skip-memory-check"])
+    assert memory.check_launch(args, rest) == (None, None)
     sim, rest = launch.build_parser().parse_known_args(["--worker-kind", "sim", "--workers", "64"])
-    assert memory.check_fleet_memory(sim, rest, available=1) == (None, None)
+    assert memory.check_launch(sim, rest) == (None, None)
 
 
-def test_bad_instance_flag_is_one_line():
-    args, rest = launch.build_parser().parse_known_args(["--max-total-tokens", "0"])
-    bad, _ = memory.check_fleet_memory(args, rest, available=64 * GIB)
-    assert bad == "--max-total-tokens must be >= 1, got 0"
+def test_bad_instance_flags_are_one_line():
+    assert memory.check_fleet_memory(1, ["--max-total-tokens", "0"], available=64 * GIB)[0] == \
+        "--max-total-tokens must be >= 1, got 0"
+    args, rest = launch.build_parser().parse_known_args(["--tp-size", "two"])
+    bad, note = memory.check_launch(args, rest)
+    assert note is None and bad == "fleetserve serve: error: argument --tp-size/--tp: invalid int value: 'two'"
+
+
+def test_available_memory_reads_meminfo():
+    got = memory.available_memory_bytes()
+    with open("/proc/meminfo") as f:
+        total = int(next(x for x in f if x.startswith("MemTotal:")).split()[1]) * 1024
+    assert got is not None and 0 < got <= total

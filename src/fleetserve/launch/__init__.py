@@ -78,7 +78,6 @@ class Child:
     log: Path | None = None
     restarts: int = 0
     pending_since: float | None = None  # restarted, waiting to be healthy before re-registering
-
     output: threading.Thread | None = None  # copies the child's output (see launch.output)
 
     def start(self) -> None:
@@ -345,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"fleetserve launch: {bad}", file=sys.stderr)
         return 2
-    from fleetserve.launch.memory import check_fleet_memory
+    from fleetserve.launch.memory import check_launch
 
-    bad, note = check_fleet_memory(args, instance_args)
+    bad, note = check_launch(args, instance_args)
     if note:
         print(f"[launch] {note}", flush=True)
     if bad:

@@ -55,13 +55,17 @@ class InstanceEstimate:
         return self.weights_bytes + self.kv_pool_bytes + self.overhead_bytes
 
 
-def available_memory_bytes() -> int:
-    """``MemAvailable`` of ``/proc/meminfo``: the figure the engine sizes its KV pool from."""
-    import torch
-
-    from fleetserve.engine.model_runner import available_memory_bytes as engine_available
-
-    return engine_available(torch.device("cpu"))
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (the figure the engine sizes its KV pool
+    from), or None where it cannot be read. Standard library only."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def model_sizes(model_path: str | None, dtype: str) -> tuple[int, int]:
@@ -112,19 +116,14 @@ def fleet_memory_error(workers: int, est: InstanceEstimate, available: int) -> s
             f"a smaller --max-total-tokens, or --skip-memory-check")
 
 
-def check_fleet_memory(args: argparse.Namespace, instance_args: list[str],
-                       available: int | None = None) -> tuple[str | None, str | None]:
-    """``(error, note)`` for ``fleetserve launch`` with ``args`` and ``instance_args`` (the
-    flags every instance gets) on a machine with ``available`` bytes free (default:
-    :func:`available_memory_bytes`).
+def check_fleet_memory(workers: int, instance_args: list[str], available: int) -> tuple[str | None, str | None]:
+    """``(error, note)`` for ``workers`` engine instances started with ``instance_args`` on a
+    machine with ``available`` bytes free. Imports torch (the engine's flags and the model).
 
     ``error``: one line when the fleet would not fit, or when the instance flags or the model's
     config are bad (the instances would fail anyway); ``note``: one line with the estimate, or
-    why none was made. Nothing is checked with ``--skip-memory-check``, for sim workers, and on
-    non-CPU devices.
+    why none was made (non-CPU devices are not checked).
     """
-    if args.skip_memory_check or args.worker_kind != "engine":
-        return None, None
     from fleetserve.engine.args import ServerArgs
     from fleetserve.entrypoints.serve import build_parser
 
@@ -141,11 +140,56 @@ def check_fleet_memory(args: argparse.Namespace, instance_args: list[str],
         return f"--model-path {server_args.model_path or '(built-in)'}: {e}", None
     except Exception as e:  # a model that cannot be built on the meta device: do not guess
         return None, f"memory check: skipped, the model's size is unknown ({type(e).__name__}: {e})"
-    if available is None:
-        available = available_memory_bytes()
     est = estimate_instance(server_args, available, weights, kv_per_token)
-    bad = fleet_memory_error(args.workers, est, available)
+    bad = fleet_memory_error(workers, est, available)
     note = (f"memory: about {est.total_bytes / GIB:.1f} GiB per instance (KV pool {est.kv_pool_bytes / GIB:.1f} GiB, "
-            f"set by --max-total-tokens), {args.workers * est.total_bytes / GIB:.1f} GiB for {args.workers}; "
+            f"set by --max-total-tokens), {workers * est.total_bytes / GIB:.1f} GiB for {workers}; "
             f"{available / GIB:.1f} GiB available")
     return bad, note
+
+
+def check_launch(args: argparse.Namespace, instance_args: list[str],
+                 timeout: float = 300.0) -> tuple[str | None, str | None]:
+    """:func:`check_fleet_memory` for ``fleetserve launch`` (``args``: its namespace), run in a
+    short-lived ``python -m fleetserve.launch.memory`` so that the launcher itself never
+    imports torch (it stays a few tens of MB for the life of the fleet). ``(None, None)`` with
+    ``--skip-memory-check`` and for sim workers; a note, no error, if the check itself fails.
+    ``available`` comes from :func:`available_memory_bytes` here."""
+    import json
+    import subprocess
+    import sys
+
+    if args.skip_memory_check or args.worker_kind != "engine":
+        return None, None
+    available = available_memory_bytes()
+    if available is None:
+        return None, "memory check: not made, MemAvailable unreadable"
+    cmd = [sys.executable, "-m", "fleetserve.launch.memory", str(args.workers), str(available), *instance_args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None, f"memory check: skipped, no answer within {timeout:g} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        out = json.loads(lines[-1])
+        return out["error"], out["note"]
+    err = done.stderr.strip().splitlines()
+    if done.returncode == 2 and err:  # argparse refused an instance flag: the instances would too
+        return err[-1], None
+    return None, f"memory check: skipped (exit {done.returncode}: {err[-1] if err else 'no output'})"
+
+
+def main(argv: list[str]) -> int:
+    """``python -m fleetserve.launch.memory WORKERS AVAILABLE_BYTES [instance flags...]``: print
+    ``{"error": ..., "note": ...}`` (one JSON line) of :func:`check_fleet_memory`."""
+    import json
+
+    error, note = check_fleet_memory(int(argv[0]), argv[2:], int(argv[1]))
+    print(json.dumps({"error": error, "note": note}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
