@@ -20,6 +20,8 @@ Per instance (bytes)::
   one rank process besides weights and pool, measured (see the constants).
 
 Only CPU instances are checked (on CUDA the weights and the pool live in device memory).
+``fleetserve launch`` calls :func:`check_launch`, which runs :func:`check_fleet_memory` in a
+child process (``python -m fleetserve.launch.memory``) so that the launcher never imports torch.
 """
 
 from __future__ import annotations
