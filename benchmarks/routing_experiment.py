@@ -252,7 +252,8 @@ def sim_part(a: argparse.Namespace) -> None:
         "shared_prefix": ["--workload", "shared_prefix", "--num-groups", "64", "--prompts-per-group", "16",
                           "--system-prompt-len", "2048", "--question-len", "128", "--output-len", "256"],
         "multi_turn": ["--workload", "multi_turn", "--num-conversations", "64", "--num-turns", "8",
-                       "--question-len", "128", "--output-len", "256"],
+                       "--question-len", "128", "--output-len", "256",
+                       "--multi-turn-replies", "synthetic"],  # the recorded tables' mode: same requests per router
     }
     all_rows: dict = {}
     sections = []
@@ -314,7 +315,8 @@ def engine_part(a: argparse.Namespace) -> None:
                           str(a.prompts_per_group), "--system-prompt-len", str(a.system_len), "--question-len",
                           str(a.question_len), "--output-len", str(a.output_len)],
         "multi_turn": ["--workload", "multi_turn", "--num-conversations", str(a.conversations), "--num-turns",
-                       str(a.turns), "--question-len", str(a.question_len), "--output-len", str(a.output_len)],
+                       str(a.turns), "--question-len", str(a.question_len), "--output-len", str(a.output_len),
+                       "--multi-turn-replies", "synthetic"],  # the recorded tables' mode: same requests per router
     }
     sections = []
     all_rows = {}

@@ -23,3 +23,39 @@ def test_printed_example_is_greedy_json():
     body = json.loads(launch.EXAMPLE_BODY)
     assert body["temperature"] == 0 and body["max_tokens"] == 32
     assert body["messages"][0]["role"] == "user"
+
+
+@pytest.mark.parametrize("argv,flags", [
+    ([], ["--disable-uvicorn-access-log"]),
+    (["--access-log"], []),
+    (["--worker-kind", "sim"], []),
+    (["--worker-kind", "sim", "--access-log"], ["--access-log"]),
+])
+def test_access_log_off_unless_asked(argv, flags):
+    args = launch.build_parser().parse_args(argv)
+    assert launch.access_log_flags(args) == flags
+    instance = launch.Launcher(args, []).workers[0].cmd
+    assert [f for f in instance if "access-log" in f] == flags
+
+
+def test_serve_knows_the_access_log_flag():
+    from fleetserve.entrypoints.serve import build_parser
+
+    assert build_parser().parse_args(["--disable-uvicorn-access-log"]).disable_uvicorn_access_log is True
+    assert build_parser().parse_args([]).disable_uvicorn_access_log is False
+
+
+def test_prefixed_lines():
+    from fleetserve.launch.output import prefixed
+
+    assert prefixed("worker0", b"INFO: up\n") == "[worker0] INFO: up\n"
+    assert prefixed("router", b"no newline") == "[router] no newline\n"
+    assert prefixed("router", b"bad \xff byte\n") == "[router] bad \ufffd byte\n"
+
+
+def test_picked_router_port_is_free_and_not_an_instance_port():
+    from fleetserve.entrypoints.ports import port_busy_error
+
+    port = launch.pick_router_port("127.0.0.1", range(31000, 31002))
+    assert 1 <= port <= 65535 and port not in range(31000, 31002)
+    assert port_busy_error("--port", "127.0.0.1", port) is None

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("multi_turn")
     g.add_argument("--num-conversations", type=int, default=64, help="conversations, interleaved")
     g.add_argument("--num-turns", type=int, default=8, help="turns per conversation, each sent after the last answer")
+    g.add_argument("--multi-turn-replies", choices=workloads.MULTI_TURN_REPLIES, default="real",
+                   help="assistant turns of the history: real: the model's own answer to the previous turn, sent "
+                        "back as a chat client does; synthetic: --output-len random words fixed by --seed (every "
+                        "run sends the same requests)")
     g = p.add_argument_group("random")
     g.add_argument("--num-prompts", type=int, default=1024, help="independent prompts")
     g.add_argument("--random-input-len", type=int, default=2176, help="tokens (words) per prompt")
@@ -74,7 +78,8 @@ def workload_from_args(args: argparse.Namespace) -> list[workloads.BenchRequest]
         system_prompt_len=(args.system_prompt_len if args.system_prompt_len is not None
                            else (2048 if args.workload == "shared_prefix" else 0)),
         question_len=args.question_len, output_len=args.output_len, num_conversations=args.num_conversations,
-        num_turns=args.num_turns, num_prompts=args.num_prompts, input_len=args.random_input_len, seed=args.seed)
+        num_turns=args.num_turns, num_prompts=args.num_prompts, input_len=args.random_input_len, seed=args.seed,
+        replies=args.multi_turn_replies)
 
 
 async def flush_workers(urls: list[str], api_key: str | None = None) -> dict[str, int]:
@@ -105,6 +110,8 @@ async def run_bench(args: argparse.Namespace) -> tuple[dict, list]:
     meta = {"workload": args.workload, "url": args.base_url, "api": args.api, "num_requests": len(reqs),
             "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "seed": args.seed,
             "time_scale": args.time_scale}
+    if args.workload == "multi_turn":
+        meta["multi_turn_replies"] = args.multi_turn_replies
     summary = report.summarize(results, duration, worker_stats.delta(before, after) if after else None, meta)
     return summary, results
 

@@ -20,7 +20,11 @@ aiohttp, streaming, and records per request:
 Arrivals: Poisson at ``request_rate`` requests/s (``inf``: all at once),
 optionally capped at ``max_concurrency`` requests in flight. A request with
 ``after`` set (the next turn of a conversation) is sent only once that
-request finished, and no earlier than its own arrival time.
+request finished, and no earlier than its own arrival time. A request with
+``history_from`` set is sent as that request's messages, its answer (the text
+that came back) as an assistant turn, then its own messages
+(:func:`with_history`); when that request failed it is not sent and fails with
+``error = "previous turn <rid> failed"``.
 
 ``time_scale``: when the workers' service times are stretched by ``k``
 (sim-worker ``--time-scale k``), pass ``k`` here: arrivals are stretched by
@@ -101,6 +105,16 @@ def _take_usage(res: RequestResult, usage: dict | None) -> None:
     res.completion_tokens = int(usage.get("completion_tokens") or 0)
     details = usage.get("prompt_tokens_details") or {}
     res.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+def with_history(req: BenchRequest, history: list[dict[str, str]], answer: str) -> BenchRequest:
+    """``req`` with ``history + [{"role": "assistant", "content": answer}] + req.messages`` as its
+    messages (a copy; ``history_from`` cleared): the next turn of a conversation after the
+    model answered ``history`` with ``answer``."""
+    import dataclasses
+
+    messages = [*history, {"role": "assistant", "content": answer}, *req.messages]
+    return dataclasses.replace(req, messages=messages, history_from=None)
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -189,6 +203,8 @@ async def run_requests(base_url: str, requests: list[BenchRequest], api: str = "
         if request_rate != math.inf and request_rate > 0:
             t += rng.expovariate(request_rate) * time_scale
     done_events = {r.rid: asyncio.Event() for r in requests}
+    by_rid: dict[str, RequestResult] = {}
+    sent_messages: dict[str, list[dict[str, str]]] = {}  # what each request was sent as (for history_from)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results: list[RequestResult | None] = [None] * len(requests)
     bar = None
@@ -209,11 +225,21 @@ async def run_requests(base_url: str, requests: list[BenchRequest], api: str = "
                     await asyncio.sleep(delay)
                 if req.after is not None and req.after in done_events:
                     await done_events[req.after].wait()
+                if req.history_from is not None:
+                    await done_events[req.history_from].wait()
+                    prev = by_rid.get(req.history_from)
+                    if prev is None or not prev.success:
+                        results[i] = by_rid[req.rid] = RequestResult(
+                            rid=req.rid, group=req.group, error=f"previous turn {req.history_from} failed")
+                        return
+                    req = with_history(req, sent_messages[req.history_from], prev.text)
+                sent_messages[req.rid] = req.messages
                 if sem is not None:
                     async with sem:
                         results[i] = await send_one(session, url, req, api, model, stream, ignore_eos, time_scale)
                 else:
                     results[i] = await send_one(session, url, req, api, model, stream, ignore_eos, time_scale)
+                by_rid[req.rid] = results[i]
             finally:
                 done_events[req.rid].set()
                 if bar is not None:

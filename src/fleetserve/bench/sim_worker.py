@@ -307,8 +307,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-config", default=None,
                    help="publish KV-cache events as vLLM/SGLang do (JSON, see docs/kv_events.md); worker i "
                         "uses the endpoint ports + i, data_parallel_rank 0 (each worker is its own instance)")
+    p.add_argument("--access-log", action="store_true",
+                   help="log one line per HTTP request (aiohttp's access log, to stderr); off by default")
     timing_model.add_arguments(p)
     return p
+
+
+def _access_logger(enabled: bool):
+    """aiohttp's ``aiohttp.access`` logger writing to stderr at INFO, or None (no access log)."""
+    if not enabled:
+        return None
+    import logging
+
+    log = logging.getLogger("aiohttp.access")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return log
 
 
 async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
@@ -325,7 +342,8 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
         eng = SimEngine(model, name=f"{args.host}:{port}", event_sink=make_publisher(kv_events, 0, port_offset=i))
         eng.start()
         worker = SimWorker(eng, tok, args.model_name, args.stream_interval, url)
-        runner = web.AppRunner(worker.app, access_log=None, shutdown_timeout=2.0)
+        runner = web.AppRunner(worker.app, access_log=_access_logger(getattr(args, "access_log", False)),
+                               shutdown_timeout=2.0)
         await runner.setup()
         site = web.TCPSite(runner, args.host, port, backlog=4096)
         await site.start()

@@ -22,8 +22,15 @@ tokens" means ``S`` words; with another tokenizer the counts are
 approximate (most BPE vocabularies keep these words whole). The sim-worker's
 word tokenizer counts exactly one token per word.
 
-Previous answers in ``multi_turn`` are synthetic (``O`` words drawn from the
-seed), not the model's output, so that every router sees the same requests.
+Previous answers in ``multi_turn``: with ``replies="real"`` (``fleetserve bench``'s
+default, ``--multi-turn-replies real``) each turn after the first carries only its new
+question and names the previous turn in ``history_from``; the client sends the previous
+turn's messages, then the model's own answer to it as the assistant turn, then the question
+(see :func:`fleetserve.bench.client.with_history`), as a chat user does. The hit rates are
+then those real chat gets, but the requests depend on the engine's answers. With
+``replies="synthetic"`` the answers are ``O`` words drawn from the seed, fixed in advance, so
+that every router sees the same requests (and an engine too slow to answer fast enough still
+gets the later turns' load).
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class BenchRequest:
         group: the sharing unit (group id or conversation id).
         after: ``rid`` of the request that must finish before this one is sent
             (the previous turn of a conversation), or ``None``.
+        history_from: ``rid`` of the request whose messages and answer come before
+            ``messages`` when this one is sent (``multi_turn`` with real replies), or ``None``.
     """
 
     rid: str
@@ -82,6 +91,7 @@ class BenchRequest:
     output_len: int
     group: str
     after: str | None = None
+    history_from: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -106,14 +116,28 @@ def shared_prefix(num_groups: int = 64, prompts_per_group: int = 16, system_prom
     return out
 
 
+MULTI_TURN_REPLIES = ("real", "synthetic")
+
+
 def multi_turn(num_conversations: int = 64, num_turns: int = 8, question_len: int = 128,
-               output_len: int = 256, system_prompt_len: int = 0, seed: int = 0) -> list[BenchRequest]:
+               output_len: int = 256, system_prompt_len: int = 0, seed: int = 0,
+               replies: str = "synthetic") -> list[BenchRequest]:
     """``num_conversations * num_turns`` requests, turn-major order, each turn after the previous one.
 
     Turn ``t``'s prompt holds the optional system prompt, ``t`` earlier (question,
     answer) pairs and the new question: ``system + t * (question_len + output_len) +
-    question_len`` tokens.
+    question_len`` tokens (``prompt_len``; with real replies the answers' lengths are the
+    model's, so this is the intended length).
+
+    ``replies``: ``"synthetic"`` (the answers are drawn here; ``messages`` is the whole
+    history) or ``"real"`` (turn ``t > 0`` holds only its question, ``history_from`` names
+    turn ``t - 1``; the questions are the same words as with ``"synthetic"``).
+
+    Raises:
+        ValueError: ``replies`` not in :data:`MULTI_TURN_REPLIES`.
     """
+    if replies not in MULTI_TURN_REPLIES:
+        raise ValueError(f"replies must be one of {MULTI_TURN_REPLIES}, got {replies!r}")
     rng = random.Random(seed)
     histories: list[list[dict[str, str]]] = []
     for _ in range(num_conversations):
@@ -123,13 +147,15 @@ def multi_turn(num_conversations: int = 64, num_turns: int = 8, question_len: in
     for t in range(num_turns):
         for c in range(num_conversations):
             hist = histories[c]
-            hist.append({"role": "user", "content": words(rng, question_len)})
+            question = {"role": "user", "content": words(rng, question_len)}
+            hist.append(question)
+            real = replies == "real" and t > 0
             out.append(BenchRequest(
-                rid=f"c{c}-t{t}", messages=[dict(m) for m in hist],
+                rid=f"c{c}-t{t}", messages=[dict(question)] if real else [dict(m) for m in hist],
                 prompt_len=system_prompt_len + t * (question_len + output_len) + question_len,
                 output_len=output_len, group=f"c{c}", after=f"c{c}-t{t - 1}" if t else None,
-                meta={"turn": t}))
-            hist.append({"role": "assistant", "content": words(rng, output_len)})
+                history_from=f"c{c}-t{t - 1}" if real else None, meta={"turn": t}))
+            hist.append({"role": "assistant", "content": words(rng, output_len)})  # drawn either way: same questions
     return out
 
 

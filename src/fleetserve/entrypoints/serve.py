@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies are answered with 413 (default 8 MiB)")
     g.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for the scheduler process(es) to load the model")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no line per HTTP request (vLLM's flag; fleetserve launch sets it unless --access-log)")
     return p
 
 
@@ -217,6 +219,7 @@ def _serve(args: ServerArgs, ns: argparse.Namespace, listen_sock) -> int:
                              max_request_bytes=ns.max_request_bytes,
                              is_alive=lambda: all(p.is_alive() for p in procs))
             config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                    access_log=not ns.disable_uvicorn_access_log,
                                     timeout_keep_alive=5, h11_max_incomplete_event_size=ns.max_request_bytes + 65536)
             logger.info("serving %s on http://%s:%d (context %d tokens, vocab %d)",
                         info.served_model_name, args.host, args.port, ctx, vocab)

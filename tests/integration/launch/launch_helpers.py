@@ -107,7 +107,8 @@ class LaunchProc:
 
 
 def chat(url: str, content: str, max_tokens: int = 8, timeout: float = 60) -> tuple[int, dict]:
-    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}).encode()
+    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.status, json.loads(r.read())
@@ -116,3 +117,32 @@ def chat(url: str, content: str, max_tokens: int = 8, timeout: float = 60) -> tu
 def get_json(url: str, timeout: float = 10):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def free_ports(workers: int) -> tuple[int, int]:
+    """A free router port and a base port ``b`` with ``b .. b + workers - 1`` free (bound once each, then let go)."""
+    import socket
+
+    for _ in range(50):
+        socks = []
+        try:
+            for _ in range(2):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", 0))
+            router, base = socks[0].getsockname()[1], socks[1].getsockname()[1]
+            if base + workers - 1 > 65535:
+                continue
+            for p in range(base + 1, base + workers):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            if router in range(base, base + workers):
+                continue
+            return router, base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")

@@ -1,5 +1,6 @@
 """``fleetserve launch`` with one real engine instance (SmolLM2): a chat request through
-the router, then SIGTERM stops the launcher, router, engine and its scheduler processes."""
+the router, then SIGTERM stops the launcher, router, engine and its scheduler processes.
+The instance's lines come prefixed ``[worker0]``, without uvicorn's access log."""
 
 import os
 import sys
@@ -8,14 +9,13 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch_helpers import LaunchProc, alive, chat, descendants  # noqa: E402
-
-PORT, BASE = 35850, 35860
+from launch_helpers import LaunchProc, alive, chat, descendants, free_ports  # noqa: E402
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(290)
 def test_launch_engine_serves_and_stops_clean():
+    PORT, BASE = free_ports(1)
     lp = LaunchProc(["--workers", "1", "--port", str(PORT), "--worker-base-port", str(BASE),
                      "--startup-timeout", "240", "--shutdown-grace", "15", "--max-total-tokens", "4096"])
     every: set[int] = set()
@@ -35,6 +35,8 @@ def test_launch_engine_serves_and_stops_clean():
     finally:
         code = lp.stop(timeout=60)
     assert code == 0, lp.lines[-20:]
+    assert any(x.startswith("[worker0] ") and "serving SmolLM2" in x for x in lp.lines), lp.lines[-40:]
+    assert not [x for x in lp.lines if "POST /v1/chat/completions" in x or "GET /health" in x]
     deadline = time.monotonic() + 15
     while any(alive(p) for p in every) and time.monotonic() < deadline:
         time.sleep(0.2)

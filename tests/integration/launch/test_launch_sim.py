@@ -9,19 +9,18 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch_helpers import LaunchProc, alive, chat, descendants, get_json  # noqa: E402
-
-PORT, BASE = 35800, 35810
+from launch_helpers import LaunchProc, alive, chat, descendants, free_ports, get_json  # noqa: E402
 
 
 @pytest.mark.timeout(120)
 def test_launch_sim_restart_and_clean_stop():
+    PORT, BASE = free_ports(2)
     lp = LaunchProc(["--worker-kind", "sim", "--workers", "2", "--port", str(PORT), "--worker-base-port", str(BASE),
                      "--restart-workers", "--shutdown-grace", "10", "--router-args", "--health-check-interval-secs 1",
                      "--stream-interval", "2"])
     try:
-        lp.wait_for(r"router ready: http://127\.0\.0\.1:35800", 60)
-        lp.wait_for(r"try: curl http://127\.0\.0\.1:35800/v1/chat/completions", 5)
+        lp.wait_for(rf"router ready: http://127\.0\.0\.1:{PORT}", 60)
+        lp.wait_for(rf"try: curl http://127\.0\.0\.1:{PORT}/v1/chat/completions", 5)
         url = f"http://127.0.0.1:{PORT}"
         status, body = chat(url, "hello there fleet", max_tokens=5)
         assert status == 200 and body["usage"]["completion_tokens"] == 5

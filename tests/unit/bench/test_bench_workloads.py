@@ -57,3 +57,22 @@ def test_build_dispatches_and_rejects_unknown():
         assert "nope" in str(e)
     else:
         raise AssertionError("unknown workload accepted")
+
+
+def test_multi_turn_real_replies_leave_the_history_to_the_client():
+    real = multi_turn(num_conversations=2, num_turns=3, question_len=5, output_len=6, seed=1, replies="real")
+    synthetic = multi_turn(num_conversations=2, num_turns=3, question_len=5, output_len=6, seed=1)
+    assert [r.rid for r in real] == [r.rid for r in synthetic]
+    for r, s in zip(real, synthetic):
+        assert r.after == s.after and r.prompt_len == s.prompt_len
+        if r.meta["turn"] == 0:
+            assert r.history_from is None and r.messages == s.messages
+        else:
+            assert r.history_from == r.after and r.messages == [s.messages[-1]]  # the same question, alone
+    assert all(s.history_from is None for s in synthetic)
+    try:
+        multi_turn(num_conversations=1, num_turns=1, replies="echo")
+    except ValueError as e:
+        assert "echo" in str(e)
+    else:
+        raise AssertionError("unknown replies mode accepted")

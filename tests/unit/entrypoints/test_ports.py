@@ -64,8 +64,10 @@ def test_sim_worker_port_zero_prints_the_real_port():
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--port", "70000"], "fleetserve launch: --port must be in 1..65535, got 70000"),
-    (["--port", "0"], "fleetserve launch: --port must be in 1..65535, got 0"),
+    (["--port", "70000"], "fleetserve launch: --port must be in 1..65535 (or 0: pick a free port), got 70000"),
+    (["--port", "-1"], "fleetserve launch: --port must be in 1..65535 (or 0: pick a free port), got -1"),
+    (["--port", "0", "--worker-base-port", "0"], "fleetserve launch: --worker-base-port must be in 1..65535, "
+     "got 0 (--workers 2)"),
     (["--worker-base-port", "70000"], "fleetserve launch: --worker-base-port must be in 1..65535, got 70000 "
      "(--workers 2)"),
     (["--worker-base-port", "65535", "--workers", "2"],

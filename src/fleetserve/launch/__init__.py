@@ -27,6 +27,16 @@ Life cycle:
    process is killed outright (SIGKILL), each child gets SIGTERM from the kernel
    (``PR_SET_PDEATHSIG``, Linux), so nothing outlives the launch.
 
+Before step 1, the instances' memory is estimated (``launch/memory.py``: weights + KV pool +
+measured overhead) and a fleet that would not fit in ``MemAvailable`` is refused with one line
+(``--skip-memory-check`` starts it anyway).
+
+Output: every child writes to a pipe and each of its lines is printed here as ``[name] line``
+(``launch/output.py``); ``--log-dir DIR`` also appends them, unprefixed, to ``DIR/<name>.log``.
+Instances log no line per request unless ``--access-log`` (``serve`` gets
+``--disable-uvicorn-access-log``). ``--port 0``: a free port is picked here and printed before
+the router starts.
+
 Each child's PID is printed (``pid=``) so that scripts and tests can check that
 none is left behind.
 """
@@ -39,11 +49,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from fleetserve.launch.output import child_env, start_copy
 
 
 def _die_with_launch(launch_pid: int):
@@ -65,16 +78,13 @@ class Child:
     log: Path | None = None
     restarts: int = 0
     pending_since: float | None = None  # restarted, waiting to be healthy before re-registering
+    output: threading.Thread | None = None  # copies the child's output (see launch.output)
 
     def start(self) -> None:
-        out = open(self.log, "ab") if self.log else None
-        try:
-            self.proc = subprocess.Popen(self.cmd, start_new_session=True, stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=subprocess.STDOUT if out else None,
-                                         preexec_fn=_die_with_launch(os.getpid()))
-        finally:
-            if out:
-                out.close()
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(),
+                                     preexec_fn=_die_with_launch(os.getpid()))
+        self.output = start_copy(self.name, self.proc.stdout, self.log)
         print(f"[launch] started {self.name} pid={self.proc.pid} {self.url}", flush=True)
 
     def alive(self) -> bool:
@@ -95,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "instance.", formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--workers", type=int, default=2, help="number of engine instances")
     p.add_argument("--host", default="127.0.0.1", help="address of the router and the instances")
-    p.add_argument("--port", type=int, default=30000, help="router port (1..65535)")
+    p.add_argument("--port", type=int, default=30000, help="router port (1..65535; 0: a free port picked by the "
+                   "OS, printed)")
     p.add_argument("--worker-base-port", type=int, default=31000, help="instance i listens on this + i")
     p.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin", "random", "power_of_two", "kv_aware"))
     p.add_argument("--router-args", default="", help='extra router flags, one string: "--cache-threshold 0.5"')
@@ -104,9 +115,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-workers", action="store_true", help="restart a dead instance and re-register it")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for all to be healthy")
     p.add_argument("--shutdown-grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
-    p.add_argument("--log-dir", default=None, help="write each child's output to <log-dir>/<name>.log; None: "
-                   "children write to this terminal")
+    p.add_argument("--log-dir", default=None, help="also write each child's output, unprefixed, to "
+                   "<log-dir>/<name>.log (appended); every line still comes to this terminal as [name] ...")
+    p.add_argument("--skip-memory-check", action="store_true", help="start even if the instances' estimated "
+                   "memory (weights + KV pool + overhead, see launch/memory.py) exceeds MemAvailable")
+    p.add_argument("--access-log", action="store_true", help="let instances log one line per HTTP request "
+                   "(uvicorn's access log; health checks included); off by default")
     return p
+
+
+def pick_router_port(host: str, avoid: range) -> int:
+    """A port free on ``host`` now, chosen by the OS (bind to port 0), outside ``avoid`` (the
+    instances' ports). It is let go before the router binds it, so another program could take
+    it in between; the router then fails with one line and the launch stops."""
+    from fleetserve.entrypoints.ports import bind_socket
+
+    for _ in range(20):
+        with bind_socket(host, 0) as s:
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise OSError(f"no free port outside {avoid.start}..{avoid.stop - 1}")
 
 
 def check_ports(args: argparse.Namespace) -> str | None:
@@ -116,7 +145,7 @@ def check_ports(args: argparse.Namespace) -> str | None:
     """
     from fleetserve.entrypoints.ports import port_busy_error, port_range_error
 
-    bad = port_range_error("--port", args.port)
+    bad = port_range_error("--port", args.port, allow_zero=True)  # 0 is resolved in main()
     if bad:
         return bad
     bad = port_range_error("--worker-base-port", args.worker_base_port, args.workers)
@@ -131,6 +160,15 @@ def check_ports(args: argparse.Namespace) -> str | None:
         if busy:
             return busy
     return None
+
+
+def access_log_flags(args: argparse.Namespace) -> list[str]:
+    """The instance flags that give ``--access-log``'s choice: ``serve`` logs each request
+    unless told ``--disable-uvicorn-access-log`` (vLLM's flag); ``sim-worker`` logs none
+    unless told ``--access-log``."""
+    if args.worker_kind == "engine":
+        return [] if args.access_log else ["--disable-uvicorn-access-log"]
+    return ["--access-log"] if args.access_log else []
 
 
 def effective_policy(args: argparse.Namespace) -> str:
@@ -214,7 +252,7 @@ class Launcher:
         self.workers = []
         for i in range(args.workers):
             port = args.worker_base_port + i
-            cmd = py + [sub, *instance_args, "--host", args.host, "--port", str(port)]
+            cmd = py + [sub, *instance_args, *access_log_flags(args), "--host", args.host, "--port", str(port)]
             self.workers.append(Child(f"worker{i}", cmd, f"http://{args.host}:{port}",
                                       log=log_dir / f"worker{i}.log" if log_dir else None))
         self.router_url = f"http://{args.host}:{args.port}"
@@ -264,6 +302,8 @@ class Launcher:
                 c.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:  # pragma: no cover
                 pass
+            if c.output is not None:
+                c.output.join(timeout=5)  # its last lines (a grandchild may still hold the pipe: bounded)
         print("[launch] all processes stopped", flush=True)
 
     def _watch_workers(self) -> None:
@@ -323,11 +363,29 @@ class Launcher:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fleetserve.entrypoints.ports import port_range_error
+
     args, instance_args = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if args.workers < 1:
         print("--workers must be >= 1", file=sys.stderr)
         return 2
+    if args.port == 0 and port_range_error("--worker-base-port", args.worker_base_port, args.workers) is None:
+        try:
+            args.port = pick_router_port(args.host, range(args.worker_base_port, args.worker_base_port + args.workers))
+        except OSError as e:
+            print(f"fleetserve launch: --port 0: cannot pick a free port on {args.host}: {e.strerror or e}",
+                  file=sys.stderr)
+            return 2
+        print(f"[launch] --port 0: the router will listen on port {args.port}", flush=True)
     bad = check_ports(args)
+    if bad:
+        print(f"fleetserve launch: {bad}", file=sys.stderr)
+        return 2
+    from fleetserve.launch.memory import check_launch
+
+    bad, note = check_launch(args, instance_args)
+    if note:
+        print(f"[launch] {note}", flush=True)
     if bad:
         print(f"fleetserve launch: {bad}", file=sys.stderr)
         return 2
