@@ -240,3 +240,42 @@ def test_openai_sdk_parse_with_pydantic(client, model):
               temperature=0, response_format=City)
     city = r.choices[0].message.parsed
     assert isinstance(city, City)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1,
+                                                                            "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+WEATHER_Q = [{"role": "user", "content": "What's the weather in Paris for the next 3 days?"}]
+
+
+@pytest.mark.parametrize("choice,name", [("required", None),
+                                         ({"type": "function", "function": {"name": "get_time"}}, "get_time")])
+def test_forced_tool_call_has_schema_valid_arguments_streaming_or_not(client, model, choice, name):
+    kw = dict(model=model, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=80,
+              temperature=0)
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    assert len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    if name:
+        assert call.function.name == name
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == \
+        [(call.function.name, json.loads(call.function.arguments))]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_tool_choice_none_is_plain_text(client, model):
+    r = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=10, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
