@@ -272,3 +272,14 @@ def test_good_grammars_pass():
                    {"ebnf": 'root ::= "yes" | "no"'}):
         SamplingParams(**fields).verify(100)
         assert isinstance(to_library_grammar(GrammarKey(*next(iter(fields.items())))), str)
+
+
+def test_chunked_prefill_samples_the_grammar_only_after_the_last_chunk():
+    b = ScriptedBackend(50)
+    s = sched_with(b, chunked_prefill_size=7)
+    reqs = [TokenizedGenerateReq("long", list(range(1, 40)), SamplingParams(regex="8 9 10", temperature=0.0)),
+            TokenizedGenerateReq("free", [3] * 20, free(6))]
+    got = run(s, reqs)
+    alone = run(make_scheduler(vocab_size=50, chunked_prefill_size=7), [reqs[1]])
+    assert got["long"][0] == [8, 9, 10] and got["long"][1].finish_reason["type"] == "stop"
+    assert got["free"][0] == alone["free"][0]
