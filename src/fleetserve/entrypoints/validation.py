@@ -22,11 +22,10 @@ import json
 from typing import Any, Callable, Sequence
 
 from fleetserve.engine.grammar.spec import GRAMMAR_FIELDS, JSON_OBJECT_SCHEMA
-
 from fleetserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from fleetserve.entrypoints.errors import APIError
-from fleetserve.entrypoints.tool_checks import check_tools
 from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from fleetserve.entrypoints.tool_checks import check_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for sampling_params.max_new_tokens
