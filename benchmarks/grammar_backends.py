@@ -12,6 +12,11 @@ library on the same grammars and the same token sequences:
 * apply: setting the banned logits of a float32 ``[B, V]`` batch to -inf from the
   bitmask, for B = 1 and 32.
 
+xgrammar is not a dependency of fleetserve; install it for this script only, without
+its declared dependencies (they include triton, and torch must stay the pinned CPU build)::
+
+    pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi
+
 Usage::
 
     python benchmarks/grammar_backends.py            # writes its section of docs/benchmarks.md
