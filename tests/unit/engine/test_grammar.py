@@ -283,3 +283,17 @@ def test_chunked_prefill_samples_the_grammar_only_after_the_last_chunk():
     alone = run(make_scheduler(vocab_size=50, chunked_prefill_size=7), [reqs[1]])
     assert got["long"][0] == [8, 9, 10] and got["long"][1].finish_reason["type"] == "stop"
     assert got["free"][0] == alone["free"][0]
+
+
+def test_tensor_parallel_groups_compile_inline():
+    from fleetserve.engine.grammar.hook import attn_tp_size
+    from fleetserve.engine.grammar.manager import GrammarManager
+
+    assert attn_tp_size(type("A", (), {"tp_size": 2, "enable_dp_attention": False})()) == 2
+    assert attn_tp_size(type("A", (), {"tp_size": 4, "dp_size": 4, "enable_dp_attention": True})()) == 1
+    m = GrammarManager(lambda: ScriptedBackend(50), sync=True)
+    r = Req("r", [1], SamplingParams(regex="4"))
+    m.submit(r, GrammarKey("regex", "4"))
+    ready, failed = m.take_ready()  # ready at once: every rank of the group admits it on the same step
+    assert ready == [r] and not failed and isinstance(r.grammar, ScriptedMatcher)
+    m.shutdown()
