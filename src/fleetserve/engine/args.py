@@ -49,6 +49,8 @@ class ServerArgs:
     HTTP:
         host, port: where the OpenAI-compatible server listens (SGLang default port 30000).
         api_key: when set, requests must send ``Authorization: Bearer <api_key>``.
+        tool_call_parser: ``qwen25`` / ``qwen`` / ``hermes`` (JSON in ``<tool_call>`` tags) turns chat
+            output into OpenAI ``tool_calls`` (:mod:`fleetserve.entrypoints.tool_parser`); None: text only.
 
     Memory and scheduling:
         max_total_tokens: KV pool size in tokens (overrides ``mem_fraction_static``).
@@ -97,6 +99,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    tool_call_parser: str | None = None
 
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
@@ -231,6 +234,9 @@ class ServerArgs:
         g.add_argument("--host", default=default("host"))
         g.add_argument("--port", type=int, default=default("port"))
         g.add_argument("--api-key", default=default("api_key"))
+        g.add_argument("--tool-call-parser", default=default("tool_call_parser"),
+                       choices=("qwen25", "qwen", "hermes"),
+                       help="turn <tool_call>{...}</tool_call> in chat output into tool_calls (SGLang / vLLM flag)")
 
         g = parser.add_argument_group("memory and scheduling")
         g.add_argument("--max-total-tokens", type=int, default=default("max_total_tokens"),

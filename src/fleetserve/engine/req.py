@@ -34,6 +34,8 @@ class Req:
         cached_tokens: prompt tokens reused from the radix cache at first admission.
         finish_reason: ``None`` while running, else an io_struct-style dict.
         generator: per-request ``torch.Generator`` when ``sampling.seed`` is set.
+        grammar: its grammar matcher when ``sampling`` constrains the output (set when
+            compiled; kept across retraction, having consumed every output token).
     """
 
     __slots__ = (
@@ -41,7 +43,7 @@ class Req:
         "stream", "output_ids", "kv_slots", "num_kv", "num_tree", "last_node", "extend_len",
         "cached_tokens", "finish_reason", "generator", "arrival", "sent_tokens", "input_logprobs",
         "input_top_logprobs", "input_logprobs_sent", "output_logprobs", "output_top_logprobs",
-        "max_len", "prefix_matched", "is_retracted", "steps_since_stream", "extra",
+        "max_len", "prefix_matched", "is_retracted", "steps_since_stream", "extra", "grammar",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, *, return_logprob: bool = False,
@@ -76,6 +78,7 @@ class Req:
         self.is_retracted = False
         self.steps_since_stream = 0
         self.extra: dict[str, Any] = {}
+        self.grammar: Any = None  # the grammar matcher (fleetserve.engine.grammar) once compiled
 
     @classmethod
     def from_tokenized(cls, msg: TokenizedGenerateReq, arrival: int = 0) -> "Req":

@@ -16,6 +16,10 @@ Order of operations per row (as in SGLang / vLLM):
    (``topk``), falling back to the whole vocabulary when the kept set may be
    larger, so no step sorts ``B x V`` logits.
 
+Before all of it, rows of requests with a grammar matcher (structured outputs,
+:mod:`fleetserve.engine.grammar`) get ``-inf`` on every token their grammar
+forbids now; constrained and free rows share the batch, free rows untouched.
+
 Logprobs (``return_logprob``) are ``log_softmax`` of the raw logits, before
 penalties and temperature (SGLang's default), with the top ``top_logprobs_num``
 alternatives, best first.
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fleetserve.engine.grammar.backend import fill_bitmask
+from fleetserve.engine.grammar.bitmask import apply_bitmask
 from fleetserve.engine.req import Req
 
 
@@ -190,9 +196,15 @@ class Sampler:
         raw_logprobs = None
         if any(want_lp):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        constrained = [i for i in range(bsz) if reqs[i].grammar is not None]
+        if constrained:
+            logits = logits.clone()  # masking edits in place; keep the runner's tensor intact
+            mask = fill_bitmask([reqs[i].grammar for i in constrained], logits.shape[-1])
+            apply_bitmask(logits, mask, constrained)
         if any(r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty != 0.0
                or r.sampling.presence_penalty != 0.0 for r in reqs):
-            logits = logits.clone()  # penalties edit in place; keep the runner's tensor intact
+            if not constrained:
+                logits = logits.clone()  # penalties edit in place; keep the runner's tensor intact
             apply_penalties(logits, reqs)
 
         next_ids = logits.argmax(dim=-1)

@@ -46,6 +46,9 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS.
         n: parallel samples sharing one prefill.
         skip_special_tokens: drop special tokens when detokenizing.
+        json_schema / regex / ebnf: constrained decoding (SGLang's names; at most one):
+            a JSON schema as JSON text, a regular expression the whole output
+            matches, or a GBNF / Lark grammar (:mod:`fleetserve.engine.grammar`).
     """
 
     max_new_tokens: int | None = 128
@@ -62,6 +65,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     skip_special_tokens: bool = True
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -124,3 +130,14 @@ class SamplingParams:
             bad(f"stop_token_ids must be integers in [0, {vocab_size})", "stop_token_ids")
         if not is_int(self.n) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}", "n")
+        if self.json_schema is not None or self.regex is not None or self.ebnf is not None:
+            from fleetserve.engine.grammar.spec import GrammarError, check_grammar
+
+            try:
+                check_grammar(self)
+            except GrammarError as e:
+                bad(str(e), e.param)
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None

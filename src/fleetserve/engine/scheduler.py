@@ -51,6 +51,7 @@ import torch
 
 from fleetserve.engine.args import ServerArgs
 from fleetserve.core.forward_batch import ForwardMode
+from fleetserve.engine.grammar import hook as grammar_hook
 from fleetserve.engine.io_struct import ReqOutput, SchedulerStats, TokenizedGenerateReq
 from fleetserve.engine.load_report import ThroughputMeter, pending_tokens, waiting_uncached_tokens
 from fleetserve.engine.radix_cache import RadixCache, check_kv_invariant
@@ -117,6 +118,7 @@ class Scheduler:
         self.cached_prompt_tokens_total = 0
         self.gen_meter = ThroughputMeter()
         self._pending_outputs: list[ReqOutput] = []  # finished outside a batch (rare KV aborts)
+        self.grammar = grammar_hook.GrammarQueue(self)  # requests waiting for their grammar
 
     # ================================================================ requests
     def add_request(self, msg: TokenizedGenerateReq | Req) -> list[ReqOutput]:
@@ -135,11 +137,17 @@ class Scheduler:
         if problem is not None:
             req.finish_reason = {"type": "abort", "message": problem}
             return [self._make_output(req)]
+        if self.grammar.admit_later(req):
+            return []
         self.waiting.append(req)
         return []
 
     def abort(self, rid: str) -> list[ReqOutput]:
         """Abort request ``rid`` wherever it is; frees its KV. Unknown ids return []."""
+        r = self.grammar.remove(rid)
+        if r is not None:
+            r.finish_reason = {"type": "abort", "message": "aborted"}
+            return [self._make_output(r)]
         for i, r in enumerate(self.waiting):
             if r.rid == rid:
                 del self.waiting[i]
@@ -168,13 +176,13 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req is not None)
+        return bool(self.waiting or self.running or self.chunked_req is not None or self.grammar.pending())
 
     def get_stats(self) -> SchedulerStats:
         used = self.pool_size - self.allocator.available_size() - self.cache.evictable_size()
         return SchedulerStats(
             num_running_reqs=len(self.running) + (self.chunked_req is not None),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + self.grammar.pending(),
             kv_pool_size=self.pool_size,
             kv_used_tokens=used,
             kv_cached_tokens=self.cache.total_size(),
@@ -193,6 +201,7 @@ class Scheduler:
     # ==================================================================== step
     def step(self) -> list[ReqOutput]:
         """One iteration (see module docstring). Returns the outputs to send."""
+        self._pending_outputs += self.grammar.admit_ready()
         batch = self.get_next_batch()
         # ---- DP attention hook: all-gather token counts / IDLE batch ----
         if self.dp_hook is not None:
@@ -202,6 +211,8 @@ class Scheduler:
         if batch is not None:
             result = self.run_batch(batch)
             outputs = self.process_batch_result(batch, result)
+        elif self.grammar.pending():
+            self.grammar.wait_idle()  # nothing else to run: wait briefly for a compilation, not spin
         if self._pending_outputs:
             outputs = self._pending_outputs + outputs
             self._pending_outputs = []
@@ -497,6 +508,8 @@ class Scheduler:
         for i, r in enumerate(reqs):
             tok = out.next_ids[i]
             r.output_ids.append(tok)
+            if r.grammar is not None:
+                grammar_hook.advance(r, tok)
             if r.return_logprob:
                 r.output_logprobs.append(out.logprobs[i])
                 r.output_top_logprobs.append(out.top_logprobs[i])
@@ -515,6 +528,8 @@ class Scheduler:
         sp = r.sampling
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
             r.finish_reason = {"type": "stop", "matched": tok}
+        elif r.grammar is not None and grammar_hook.finished(r):
+            r.finish_reason = grammar_hook.finish_reason(r, tok)
         elif sp.max_new_tokens is not None and len(r.output_ids) >= sp.max_new_tokens:
             r.finish_reason = {"type": "length", "length": sp.max_new_tokens}
         elif r.seq_len >= r.max_len:

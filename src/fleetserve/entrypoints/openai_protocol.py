@@ -47,8 +47,25 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI ``response_format.json_schema``: ``name`` (required), ``schema``, ``strict``."""
+
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema`` (with ``json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class _SamplingFields(_Strict):
-    """Sampling fields shared by completions and chat completions."""
+    """Sampling fields shared by completions and chat completions (with SGLang's and vLLM's
+    extra constraint fields ``json_schema`` / ``regex`` / ``ebnf`` beside OpenAI's ``response_format``)."""
 
     model: Optional[str] = None
     n: int = 1
@@ -70,6 +87,10 @@ class _SamplingFields(_Strict):
     logit_bias: Optional[dict[str, float]] = None
     # SGLang's extra field: the DP rank to serve the request (checked by validation.resolve_routed_dp_rank)
     routed_dp_rank: Any = None
+    response_format: Optional[ResponseFormat] = None
+    json_schema: Optional[Union[str, dict[str, Any]]] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
 
 # A prompt for /v1/completions: text, texts, token ids, or lists of token ids.

@@ -18,11 +18,14 @@ Two request dialects are understood:
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Sequence
 
+from fleetserve.engine.grammar.spec import GRAMMAR_FIELDS, JSON_OBJECT_SCHEMA
 from fleetserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from fleetserve.entrypoints.tool_checks import check_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for sampling_params.max_new_tokens
@@ -136,6 +139,44 @@ def native_sampling(raw: dict[str, Any] | None, *, prompt_len: int, vocab_size: 
         raise
 
 
+def openai_grammar_fields(req: CompletionRequest | ChatCompletionRequest) -> tuple[dict[str, Any], str | None]:
+    """The constraint of an OpenAI body as SamplingParams fields, and the request field it came from.
+
+    ``response_format`` ``json_object`` is the schema ``{"type": "object"}`` and
+    ``json_schema`` its ``json_schema.schema`` (none given: any JSON object), as
+    SGLang and vLLM map them; ``text`` is no constraint. The extra fields
+    ``json_schema`` (text or object), ``regex`` and ``ebnf`` are SGLang's.
+
+    Raises:
+        APIError(400): ``response_format`` ``json_schema`` without its ``json_schema``
+            object, or two constraints at once (``param`` the second one).
+    """
+    found: list[tuple[str, str, str]] = []  # (SamplingParams field, text, request field)
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("json_schema", JSON_OBJECT_SCHEMA, "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError("response_format of type 'json_schema' needs the 'json_schema' object", 400,
+                           "response_format.json_schema")
+        schema = rf.json_schema.schema_
+        found.append(("json_schema", JSON_OBJECT_SCHEMA if schema is None else json.dumps(schema),
+                      "response_format"))
+    if req.json_schema is not None:
+        text = req.json_schema if isinstance(req.json_schema, str) else json.dumps(req.json_schema)
+        found.append(("json_schema", text, "json_schema"))
+    for name in ("regex", "ebnf"):
+        if getattr(req, name) is not None:
+            found.append((name, getattr(req, name), name))
+    if len(found) > 1:
+        raise APIError(f"only one of response_format (json), json_schema, regex, ebnf may be given; got "
+                       f"{', '.join(f[2] for f in found)}", 400, found[1][2])
+    if not found:
+        return {}, None
+    field, text, source = found[0]
+    return {field: text}, source
+
+
 def openai_sampling_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """The OpenAI request's sampling fields under SamplingParams names (None: "use the default")."""
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
@@ -153,12 +194,28 @@ def openai_sampling_fields(req: CompletionRequest | ChatCompletionRequest) -> di
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
         "n": req.n,
+        **openai_grammar_fields(req)[0],
     }
+
+
+def _grammar_param(req: CompletionRequest | ChatCompletionRequest, e: APIError) -> APIError:
+    """A grammar error names the request field the client used (``response_format`` or the extra field)."""
+    if e.param in GRAMMAR_FIELDS:
+        e.param = openai_grammar_fields(req)[1] or e.param
+    return e
 
 
 def completion_sampling(req: CompletionRequest, *, prompt_len: int, vocab_size: int,
                         context_length: int) -> SamplingParams:
     """Sampling for one prompt of ``/v1/completions`` (``max_tokens`` absent: 16, capped by the context)."""
+    try:
+        return _completion_sampling(req, prompt_len, vocab_size, context_length)
+    except APIError as e:
+        raise _grammar_param(req, e) from e.__cause__
+
+
+def _completion_sampling(req: CompletionRequest, prompt_len: int, vocab_size: int,
+                         context_length: int) -> SamplingParams:
     return fit_sampling({**openai_sampling_fields(req), "max_new_tokens": req.max_tokens}, prompt_len=prompt_len,
                         vocab_size=vocab_size, context_length=context_length, max_tokens_param="max_tokens",
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -168,6 +225,14 @@ def chat_sampling(req: ChatCompletionRequest, *, prompt_len: int, vocab_size: in
                   context_length: int) -> SamplingParams:
     """Sampling for ``/v1/chat/completions``: ``max_completion_tokens`` wins over ``max_tokens``;
     neither means up to the context limit."""
+    try:
+        return _chat_sampling(req, prompt_len, vocab_size, context_length)
+    except APIError as e:
+        raise _grammar_param(req, e) from e.__cause__
+
+
+def _chat_sampling(req: ChatCompletionRequest, prompt_len: int, vocab_size: int,
+                   context_length: int) -> SamplingParams:
     newer = req.max_completion_tokens is not None
     return fit_sampling({**openai_sampling_fields(req),
                          "max_new_tokens": req.max_completion_tokens if newer else req.max_tokens},
@@ -225,6 +290,7 @@ def check_chat_request(req: ChatCompletionRequest) -> None:
         raise APIError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", 400, "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+    check_tools(req.tools, req.tool_choice)
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -1,9 +1,11 @@
-"""``POST /v1/chat/completions``: the model's chat template over text messages; logprobs; SSE."""
+"""``POST /v1/chat/completions``: the model's chat template over text messages; logprobs; SSE;
+tool calls parsed from the output (:mod:`fleetserve.entrypoints.tool_parser`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -26,7 +28,10 @@ from fleetserve.entrypoints.openai_protocol import (
     TopLogprob,
     random_id,
 )
+from fleetserve.engine.grammar.spec import GrammarError, check_grammar
+from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.tokenizer_manager import TokenizerManager, TokenOutput
+from fleetserve.entrypoints.tool_parser import ToolCallStream, parse_tool_calls, plan_tools
 from fleetserve.entrypoints.validation import chat_messages, chat_sampling, check_chat_request
 
 router = APIRouter()
@@ -43,10 +48,32 @@ async def create_chat_completion(request: Request) -> Response:
     ids = tm.apply_chat_template(chat_messages(req), req.tools, req.add_generation_prompt,
                                  req.continue_final_message, req.chat_template_kwargs)
     sp = chat_sampling(req, prompt_len=len(ids), vocab_size=info.vocab_size, context_length=info.context_length)
+    parse_tools, forced = plan_tools(req.tools, req.tool_choice, state.server_args.get("tool_call_parser"))
+    if forced is not None:
+        sp = forced_sampling(sp, forced)
     streams = submit_all(state, [ids], [sp], return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
                          routed_dp_rank=routed)
-    answer = ChatAnswer(tm, state.model_name, req, random_id("chatcmpl"))
+    answer = ChatAnswer(tm, state.model_name, req, random_id("chatcmpl"), parse_tools)
     return await respond(request, streams, stream=bool(req.stream), build=answer.build, chunks=answer.chunks)
+
+
+def forced_sampling(sp, grammar: str):
+    """``sp`` constrained to the tool-call ``grammar`` (``tool_choice`` required or named).
+
+    Raises:
+        APIError(400, ``tool_choice``): the request also has its own constraint
+            (``response_format`` json, ``json_schema``, ``regex``, ``ebnf``);
+            (400, ``tools``): a tool's ``parameters`` schema is refused by the grammar library.
+    """
+    if sp.has_grammar:
+        raise APIError("tool_choice 'required' or a named function cannot be combined with response_format "
+                       "json_object / json_schema, json_schema, regex or ebnf", 400, "tool_choice")
+    sp = dataclasses.replace(sp, ebnf=grammar)
+    try:
+        check_grammar(sp)
+    except GrammarError as e:
+        raise APIError(f"a tool's parameters are not a usable JSON schema: {e}", 400, "tools") from e
+    return sp
 
 
 def chat_logprobs(tm: TokenizerManager, outs: list[TokenOutput], top_n: int) -> ChatLogprobs:
@@ -70,6 +97,8 @@ class ChatAnswer:
     model_name: str
     req: ChatCompletionRequest
     rid: str
+    parse_tools: bool = False
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def logprobs(self, outs: list[TokenOutput]) -> ChatLogprobs | None:
         return chat_logprobs(self.tm, outs, self.req.top_logprobs or 0) if self.req.logprobs else None
@@ -78,10 +107,16 @@ class ChatAnswer:
         choices, completion = [], 0
         for i, outs in enumerate(per):
             last = outs[-1] if outs else None
+            text = "".join(o.text for o in outs)
+            reason = last.finish_reason if last else "abort"
+            message = ChatMessageOut(content=text)
+            if self.parse_tools:
+                content, calls = parse_tool_calls(text)
+                if calls:
+                    message = ChatMessageOut(content=content, tool_calls=calls)
+                    reason = "tool_calls" if reason == "stop" else reason
             choices.append(ChatChoice(
-                index=i, message=ChatMessageOut(content="".join(o.text for o in outs)),
-                logprobs=self.logprobs(outs),
-                finish_reason=last.finish_reason if last else "abort",
+                index=i, message=message, logprobs=self.logprobs(outs), finish_reason=reason,
                 matched_stop=last.matched_stop if last else None))
             completion += last.completion_tokens if last else 0
         first_last = per[0][-1] if per and per[0] else None
@@ -101,11 +136,21 @@ class ChatAnswer:
         async for i, out in merged:
             last[i] = out
             lp = self.logprobs([out])
-            if out.text or (lp and lp.content):
-                yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(content=out.text),
+            text = self.streams.setdefault(i, ToolCallStream()).feed(out.text) if self.parse_tools else out.text
+            if text or (lp and lp.content):
+                yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(content=text),
                                                            logprobs=lp)])
             if out.finished:
-                yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(),
-                                                           finish_reason=out.finish_reason)])
+                reason = out.finish_reason
+                if self.parse_tools:
+                    rest, calls = self.streams.setdefault(i, ToolCallStream()).finish()
+                    if rest:
+                        yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(content=rest))])
+                    for k, call in enumerate(calls):
+                        yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(
+                            tool_calls=[{"index": k, **call}]))])
+                    if calls and reason == "stop":
+                        reason = "tool_calls"
+                yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason)])
         if self.req.stream_options and self.req.stream_options.include_usage:
             yield self.chunk(created, [], usage=stream_usage(last, self.req.n))

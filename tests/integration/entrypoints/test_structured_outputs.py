@@ -1,0 +1,281 @@
+"""Structured outputs through `fleetserve serve` on SmolLM2-135M, with the `openai` client.
+
+One real server (HTTP process + scheduler process) for the module. Outputs are checked
+against their schema by hand (a small validator for the keywords used here: the
+``jsonschema`` package is not a dependency), regex outputs with ``re.fullmatch``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STARTUP_TIMEOUT = 240
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+def validate(value, schema, path="$"):
+    """Assert ``value`` satisfies ``schema`` (type, properties, required, additionalProperties,
+    enum, minimum, maximum, items, maxItems)."""
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+    t = schema.get("type")
+    if t == "integer":
+        assert isinstance(value, int) and not isinstance(value, bool), (path, value)
+    elif t == "number":
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (path, value)
+    elif t is not None:
+        assert isinstance(value, types[t]), (path, value)
+    if "enum" in schema:
+        assert value in schema["enum"], (path, value)
+    if "minimum" in schema:
+        assert value >= schema["minimum"], (path, value)
+    if "maximum" in schema:
+        assert value <= schema["maximum"], (path, value)
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for k in schema.get("required", []):
+            assert k in value, (path, k)
+        if schema.get("additionalProperties") is False:
+            assert set(value) <= set(props), (path, set(value) - set(props))
+        for k, v in value.items():
+            if k in props:
+                validate(v, props[k], f"{path}.{k}")
+    if isinstance(value, list):
+        assert len(value) <= schema.get("maxItems", len(value)), (path, value)
+        for i, v in enumerate(value):
+            validate(v, schema.get("items", {}), f"{path}[{i}]")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "fleetserve.cli", "serve", "--port", str(port), "--max-total-tokens", "4096",
+           "--log-level", "warning"]
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fleetserve-structured-{port}.log"), "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server did not become healthy in time")
+            time.sleep(0.5)
+        yield base
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+ASK = [{"role": "user", "content": "Describe a user of a web site as JSON."}]
+RF = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+def test_json_schema_chat_parses_validates_and_streams_the_same(client, model):
+    whole = client.chat.completions.create(model=model, messages=ASK, max_tokens=120, temperature=0,
+                                           response_format=RF)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop"
+    validate(json.loads(choice.message.content), PERSON)
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, max_tokens=120, temperature=0,
+                                                 response_format=RF, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_json_object_n2_sampled_and_free_text_unconstrained(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=150, temperature=0.8, seed=7, n=2,
+                                       response_format={"type": "json_object"})
+    assert len(r.choices) == 2
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        assert isinstance(json.loads(c.message.content), dict)
+    plain = client.chat.completions.create(model=model, messages=ASK, max_tokens=20, temperature=0,
+                                           response_format={"type": "text"})
+    assert plain.choices[0].message.content
+
+
+def test_max_tokens_cuts_json_short_with_length(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=4, temperature=0, response_format=RF)
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(r.choices[0].message.content)
+
+
+def test_regex_on_completions_and_generate_and_ebnf(client, http, model):
+    r = client.completions.create(model=model, prompt="Call us at", max_tokens=30, temperature=0,
+                                  extra_body={"regex": PHONE})
+    assert re.fullmatch(PHONE, r.choices[0].text), r.choices[0].text
+    assert r.choices[0].finish_reason == "stop"
+    g = http.post("/generate", json={"text": "Is the sky blue? Answer:", "sampling_params": {
+        "ebnf": 'root ::= " yes" | " no"', "temperature": 0, "max_new_tokens": 10}}).json()
+    assert g["text"] in (" yes", " no"), g
+    assert g["meta_info"]["finish_reason"]["type"] == "stop"
+    s = http.post("/generate", json={"text": "Phone:", "sampling_params": {
+        "regex": PHONE, "temperature": 1.0, "seed": 3, "max_new_tokens": 30}}).json()
+    assert re.fullmatch(PHONE, s["text"]), s
+
+
+def test_stop_string_inside_constrained_output(client, model):
+    r = client.completions.create(model=model, prompt="Call us at", max_tokens=30, temperature=0,
+                                  extra_body={"regex": PHONE}, stop=[") "])
+    assert r.choices[0].finish_reason == "stop"
+    assert re.fullmatch(r"\(\d{3}", r.choices[0].text), r.choices[0].text
+
+
+def test_free_request_beside_constrained_ones_gets_its_tokens_alone(http):
+    free = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    prompt = "Once upon a time, in a small village,"
+    alone = http.post("/generate", json={"text": prompt, "sampling_params": free}).json()["output_ids"]
+    con = {"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 60}
+    # one batch request (constrained first, then the free one), and concurrent constrained ones
+    with ThreadPoolExecutor(3) as pool:
+        others = [pool.submit(http.post, "/generate", json={"text": f"User {i} as JSON:", "sampling_params": con})
+                  for i in range(2)]
+        mixed = http.post("/generate", json={"text": ["A user as JSON:", prompt],
+                                             "sampling_params": [con, free]}).json()
+        for f in others:
+            validate(json.loads(f.result().json()["text"]), PERSON)
+    assert mixed[1]["output_ids"] == alone
+    validate(json.loads(mixed[0]["text"]), PERSON)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": ASK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": ASK, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ("/v1/chat/completions", {"messages": ASK, "response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/completions", {"prompt": "x", "regex": "[0-"}, "regex"),
+    ("/v1/completions", {"prompt": "x", "regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": "{oops"}}, "sampling_params.json_schema"),
+    ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= nothing"}}, "sampling_params.ebnf"),
+    ("/v1/chat/completions", {"messages": ASK, "tools": [], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function", "function": {"name": "a"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "b"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function", "function": {}}]},
+     "tools.0.function.name"),
+])
+def test_bad_constraints_are_400_naming_the_field_and_server_keeps_serving(http, model, path, body, param):
+    r = http.post(path, json={"model": model, "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    ok = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+def test_openai_sdk_parse_with_pydantic(client, model):
+    pydantic = pytest.importorskip("pydantic")
+
+    class City(pydantic.BaseModel):
+        name: str
+        population: int
+
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    r = parse(model=model, messages=[{"role": "user", "content": "A city as JSON."}], max_tokens=80,
+              temperature=0, response_format=City)
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1,
+                                                                            "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+WEATHER_Q = [{"role": "user", "content": "What's the weather in Paris for the next 3 days?"}]
+
+
+@pytest.mark.parametrize("choice,name", [("required", None),
+                                         ({"type": "function", "function": {"name": "get_time"}}, "get_time")])
+def test_forced_tool_call_has_schema_valid_arguments_streaming_or_not(client, model, choice, name):
+    kw = dict(model=model, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=80,
+              temperature=0)
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    assert len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    if name:
+        assert call.function.name == name
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == \
+        [(call.function.name, json.loads(call.function.arguments))]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_tool_choice_none_is_plain_text(client, model):
+    r = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=10, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
