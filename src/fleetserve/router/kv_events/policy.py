@@ -5,7 +5,8 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
     cost(t) = --kv-prefill-weight x (prompt_tokens - cached_tokens(t))
             + --kv-load-weight    x load_tokens(t)
 
-* ``cached_tokens(t)``: the prompt's prefix ``t`` holds, by the trust of its
+* ``cached_tokens(t)``: the prompt's prefix ``t`` holds (at most ``prompt[:-1]``:
+  engines always compute the last prompt token), by the trust of its
   KV-event stream (:mod:`.subscriber`): ``exact`` -> the event index (plus
   speculative entries); ``degraded`` -> the larger of the index and the
   approximate tree; ``fallback`` -> the approximate tree.  Without
@@ -159,7 +160,10 @@ class KvAwarePolicy:
                 targets.extend((w, r, (r,)) for r in ranks)
             else:
                 targets.append((w, None, ranks))
-        matched = self.index.match(tokens, all_targets) if tokens else {}
+        # the engine always computes the last prompt token (vLLM, SGLang and ours match at most
+        # prompt[:-1], in whole pages), so the prefix that can be cached is prompt[:-1]
+        matched = self.index.match(tokens[:-1], all_targets) if tokens else {}
+        cap = max(key.prompt_tokens - 1, 0)
         best = None
         for order, (w, rank, ranks) in enumerate(targets):
             tenant = w.url if rank is None else f"{w.url}#{rank}"
@@ -171,7 +175,7 @@ class KvAwarePolicy:
                 c = ev if state == EXACT else max(ev, tree_tokens) if state == DEGRADED else tree_tokens
                 if c > cached:
                     cached, branch = c, state
-            cached = min(int(cached), key.prompt_tokens)
+            cached = min(int(cached), cap)
             lk = (w.url, rank)
             cost = (self.prefill_weight * (key.prompt_tokens - cached)
                     + self.load_weight * self.load_tokens.get(lk, 0))
