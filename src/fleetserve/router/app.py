@@ -23,6 +23,7 @@ from .admission import make_admission
 from .circuit_breaker import CircuitBreaker
 from .config import RouterConfig
 from .metrics import RouterStats, make_registry
+from .prediction import Predictions
 from .policies import make_policy
 from .sessions import StickySessions
 from .http.client import UpstreamPool
@@ -40,6 +41,7 @@ class Router:
         self.policy = make_policy(cfg.policy, cfg)
         self.sessions = StickySessions.from_config(cfg) if cfg.sticky_sessions else None  # --sticky-sessions
         self.stats = RouterStats()
+        self.predictions = Predictions()  # predicted vs engine-reported cached tokens, per worker (prediction.py)
         self.metrics_registry = make_registry(self)
         self.session: aiohttp.ClientSession | None = None  # control traffic: health, info, flush
         self.pool: UpstreamPool | None = None  # the proxy path

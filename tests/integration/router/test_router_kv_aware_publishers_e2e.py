@@ -24,10 +24,10 @@ FAST = ["--prefill-per-token-s", "0", "--prefill-overhead-s", "0", "--decode-bas
         "--decode-per-req-s", "0", "--decode-per-ctx-token-s", "0"]
 
 
-def post(url, body, headers=None):
+def post(url, body, headers=None, timeout=20):
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(req, timeout=20) as r:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read()), r.headers
 
 
@@ -112,3 +112,51 @@ def test_routing_follows_our_sim_workers_events_and_predicts_their_cached_tokens
     route = route_fields(h["x-fleetserve-route"])
     assert route["target"] == a
     assert int(route["cached_tokens"]) == body["meta_info"]["cached_tokens"] == 2 * PAGE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
+    """A real engine (built-in model, ``--page-size 16``) beside a sim-worker: a chat prefix cached on the
+    engine by a direct request sends the routed chat there, and the router's tokenization (the chat
+    template) predicts exactly the engine's ``usage.prompt_tokens_details.cached_tokens``."""
+    import os
+
+    from fleetserve.models.config import is_gguf
+    from fleetserve.models.registry import default_model_path
+    from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
+
+    ev = free_port_block(1)
+    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}"}
+    engine, _ = procs.engine("--max-total-tokens", "4096", "--page-size", str(PAGE),
+                             "--kv-events-config", json.dumps(cfg))
+    (sim,) = sim_workers(procs, 1)
+    path = default_model_path()
+    if is_gguf(path):
+        folder = tokenizer_cache_dir(path)
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            load_tokenizer(path)
+        path = folder
+    router, _ = procs.router([sim, engine], "--policy", "kv_aware", "--kv-speculative-ttl-secs", "0",
+                             "--tokenizer-path", path)
+    wait_metric(router, rf'fleetserve_router_kv_stream_state{{dp_rank="0",state="(fallback|exact|degraded)",'
+                        rf'worker="{re.escape(engine)}"}} 1\.0')
+    time.sleep(0.3)
+    system = {"role": "system", "content": "You are a terse assistant. " + " ".join(
+        f"Rule {i}: answer in as few words as you can." for i in range(12))}
+    direct = {"messages": [system, {"role": "user", "content": "Name a colour."}], "max_tokens": 2,
+              "temperature": 0}
+    body, _ = post(engine + "/v1/chat/completions", direct, timeout=120)  # CPU, first request
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    assert prompt_tokens > 4 * PAGE
+    wait_metric(router, rf'fleetserve_router_kv_index_blocks{{dp_rank="0",worker="{re.escape(engine)}"}} '
+                        rf'([4-9]|\d\d+)\.0')
+    routed = {"messages": [system, {"role": "user", "content": "Name a fruit."}], "max_tokens": 2,
+              "temperature": 0}
+    body, h = post(router + "/v1/chat/completions", routed, timeout=120)
+    route = route_fields(h["x-fleetserve-route"])
+    assert route["target"] == engine and route["branch"] == "exact"
+    assert int(route["prompt_tokens"]) == body["usage"]["prompt_tokens"]  # the router's ids are the engine's
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 4 * PAGE and cached % PAGE == 0
+    assert int(route["cached_tokens"]) == cached

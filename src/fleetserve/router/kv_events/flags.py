@@ -32,8 +32,8 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                    help="kv_aware: each DP rank of a worker is a target; the request names the chosen rank "
                         "(routed_dp_rank in the body, X-data-parallel-rank header)")
     g.add_argument("--no-route-header", action="store_true",
-                   help="kv_aware: do not add x-fleetserve-route (target, rank, branch, predicted cached tokens) "
-                        "to answers")
+                   help="every policy: do not add x-fleetserve-route (target, rank, branch, predicted cached "
+                        "tokens) to answers")
 
 
 def validate(cfg) -> None:

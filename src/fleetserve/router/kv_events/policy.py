@@ -39,6 +39,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 
 from ..radix_tree import RadixTree
+from ..route_header import CHARS_PER_TOKEN, HEADER, format_route
 from ..routing_text import ids_text
 from .index import BlockIndex
 from .subscriber import DEGRADED, EXACT, FALLBACK
@@ -48,7 +49,6 @@ log = logging.getLogger("fleetserve.router")
 
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
-CHARS_PER_TOKEN = 4  # for requests routed on their text (no token ids)
 
 
 class RouteKey:
@@ -73,9 +73,7 @@ class RouteKey:
 
     def route_header(self) -> str:
         """The ``x-fleetserve-route`` value: ``target=URL; dp_rank=R|-; branch=B; cached_tokens=N; prompt_tokens=M``."""
-        rank = "-" if self.rank is None else str(self.rank)
-        return (f"target={self.target[0]}; dp_rank={rank}; branch={self.branch}; cached_tokens={self.cached}; "
-                f"prompt_tokens={self.prompt_tokens}")
+        return format_route(self.target[0], self.rank, self.branch, self.cached, self.prompt_tokens)
 
 
 def with_dp_rank(body: bytes, rank: int) -> bytes:
@@ -203,7 +201,7 @@ class KvAwarePolicy:
             headers = headers + b"X-data-parallel-rank: %d\r\n" % key.rank
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route: %s", key.route_header())
-        return body, headers, ((("x-fleetserve-route", key.route_header()),) if self.route_header else ())
+        return body, headers, (((HEADER, key.route_header()),) if self.route_header else ())
 
     def _record(self, url: str, rank: int | None, key: RouteKey) -> None:
         tenant = url if rank is None else f"{url}#{rank}"
