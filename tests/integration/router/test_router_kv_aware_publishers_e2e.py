@@ -53,8 +53,9 @@ def wait_metric(router: str, pattern: str, timeout: float = 20.0) -> str:
 
 def sim_workers(procs, n=2):
     http = free_port_block(n)
-    ev = free_port_block(n)
-    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "topic": "sim"}
+    ev = free_port_block(2 * n)
+    # with a replay endpoint, a router that joins after a worker's first batch still reaches exact
+    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + n}", "topic": "sim"}
     p = procs.spawn([sys.executable, "-m", "fleetserve.cli", "sim-worker", "--port", str(http), "--num-workers",
                      str(n), "--page-size", str(PAGE), "--kv-events-config", json.dumps(cfg), *FAST])
     urls = [f"http://127.0.0.1:{http + i}" for i in range(n)]
@@ -104,6 +105,12 @@ def test_routing_follows_our_sim_workers_events_and_predicts_their_cached_tokens
     assert route["target"] == b
     assert int(route["cached_tokens"]) == body["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * PAGE
 
+    # the router judged its own guesses: three answers from B, all exact
+    text = get(router + "/metrics")
+    h = "fleetserve_router_cache_prediction_abs_error_tokens"
+    assert f'{h}_count{{worker="{b}"}} 3.0' in text and f'{h}_sum{{worker="{b}"}} 0.0' in text
+    assert f'fleetserve_router_cache_reported_tokens_total{{worker="{b}"}} {float(4 * PAGE + 6 * PAGE)}' in text
+
     # a new prefix cached directly on A moves the next request to A
     other = list(range(5000, 5000 + 2 * PAGE))
     post(a + "/generate", {"input_ids": other + [1], "sampling_params": {"max_new_tokens": 2}})
@@ -126,8 +133,8 @@ def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
 
-    ev = free_port_block(1)
-    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}"}
+    ev = free_port_block(2)
+    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"}
     engine, _ = procs.engine("--max-total-tokens", "4096", "--page-size", str(PAGE),
                              "--kv-events-config", json.dumps(cfg))
     (sim,) = sim_workers(procs, 1)
