@@ -2,7 +2,7 @@
 
 Each worker is an aiohttp server with ``/v1/completions``,
 ``/v1/chat/completions``, ``/generate`` (streaming or not), ``/health``,
-``/v1/models``, ``/get_model_info``, ``/get_server_info``, ``/get_load``, ``/metrics`` and
+``/v1/models``, ``/get_model_info``, ``/get_server_info``, ``/get_load``, ``/v1/loads``, ``/metrics`` and
 ``/flush_cache``. Behind it a :class:`~fleetserve.bench.sim_engine.SimEngine`
 keeps the engine's real radix cache and answers after the modelled service
 time. Usage reports ``prompt_tokens_details.cached_tokens`` like a real worker.
@@ -78,6 +78,7 @@ class SimWorker:
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_load", self.get_load)
+        r.add_get("/v1/loads", self.v1_loads)
         r.add_get("/metrics", self.metrics)
         r.add_route("*", "/flush_cache", self.flush_cache)
 
@@ -105,6 +106,19 @@ class SimWorker:
 
     async def get_load(self, _req: web.Request) -> web.Response:
         return web.json_response(self.engine.load())
+
+    async def v1_loads(self, _req: web.Request) -> web.Response:
+        """SGLang's ``/v1/loads`` core fields for this one-rank worker (docs/load-and-metrics.md)."""
+        e = self.engine
+        used = sum(len(r.input_ids) + r.sent for r in e.running)
+        waiting = sum(len(r.input_ids) for r in e.waiting)
+        cap = e.model.max_total_tokens
+        entry = {"dp_rank": 0, "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
+                 "num_total_reqs": len(e.running) + len(e.waiting), "num_used_tokens": used,
+                 "num_total_tokens": used + waiting, "max_total_num_tokens": cap,
+                 "token_usage": round(used / cap, 4) if cap else 0.0}
+        return web.json_response({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                  "dp_rank_count": 1, "loads": [entry]})
 
     async def metrics(self, _req: web.Request) -> web.Response:
         s, ld, w = self.engine.stats, self.engine.load(), self.engine.name

@@ -82,6 +82,10 @@ class Router:
             from .kv_events.sources import KvEventSources, parse_endpoint_flags
             self.kv_sources = KvEventSources(self.policy, parse_endpoint_flags(self.cfg.kv_events_endpoint))
             self._tasks.append(asyncio.create_task(self.kv_sources.run(self)))
+            if self.cfg.kv_loads_interval_secs > 0:  # the engines' own token loads (kv_events/loads.py)
+                from .kv_events.loads import EngineLoads
+                self.policy.engine_loads = EngineLoads(self.cfg.kv_loads_interval_secs)
+                self._tasks.append(asyncio.create_task(self.policy.engine_loads.run(self)))
 
     async def stop(self) -> None:
         for t in (*self.pending.values(), *self.drains.values()):

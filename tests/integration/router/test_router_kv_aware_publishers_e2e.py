@@ -167,3 +167,27 @@ def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 4 * PAGE and cached % PAGE == 0
     assert int(route["cached_tokens"]) == cached
+
+
+@pytest.mark.timeout(90)
+def test_engine_loads_steer_away_from_a_worker_busy_with_traffic_the_router_never_saw(procs):
+    import threading
+
+    a, b = sim_workers(procs)
+    fixed, _ = procs.router([a, b], "--policy", "kv_aware", "--kv-loads-interval-secs", "0.2")
+    blind, _ = procs.router([a, b], "--policy", "kv_aware", "--kv-loads-interval-secs", "0")
+    # a long request straight to A: A's engine holds ~2k prompt tokens plus its growing output
+    hog = threading.Thread(target=post, args=(a + "/generate", {
+        "input_ids": list(range(3000, 5000)), "sampling_params": {"max_new_tokens": 4000}}), kwargs={"timeout": 60})
+    hog.start()
+    try:
+        wait_metric(fixed, rf'fleetserve_router_kv_engine_load_tokens{{dp_rank="0",worker="{re.escape(a)}"}} '
+                           rf'\d{{4,}}\.0')
+        fresh = {"input_ids": list(range(9000, 9040)), "sampling_params": {"max_new_tokens": 2}}
+        _, h = post(fixed + "/generate", fresh)
+        assert route_fields(h["x-fleetserve-route"])["target"] == b
+        # the router that reads no engine load sees two idle workers and takes the first
+        _, h = post(blind + "/generate", {**fresh, "input_ids": list(range(9100, 9140))})
+        assert route_fields(h["x-fleetserve-route"])["target"] == a
+    finally:
+        hog.join(60)

@@ -15,7 +15,8 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
 * ``load_tokens(t)``: this router's in-flight tokens on ``t``: each request
   counts its prompt tokens plus its ``max_tokens`` / ``max_new_tokens``
   (:data:`DEFAULT_DECODE_TOKENS` when absent, at most :data:`MAX_DECODE_TOKENS`)
-  from the routing decision until its answer ends.
+  from the routing decision until its answer ends; while the engine's own
+  ``/v1/loads`` figure is fresh, the larger of the two (:mod:`.loads`).
 
 Lowest cost wins; ties go to the fewest in-flight requests, then registration
 order.  The scoring follows NVIDIA Dynamo's KV router (overlap blocks vs.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..radix_tree import RadixTree
@@ -116,6 +118,7 @@ class KvAwarePolicy:
         self.load_tokens: dict = {}  # (url, rank or None) -> in-flight tokens
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
+        self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
 
     # ------------------------------------------------------------ per request
     async def prepare(self, path: str, body: dict, text: str) -> RouteKey:
@@ -163,6 +166,8 @@ class KvAwarePolicy:
         matched = self.index.match(tokens[:-1], all_targets) if tokens else {}
         cap = max(key.prompt_tokens - 1, 0)
         best = None
+        engine_loads = self.engine_loads
+        now = time.monotonic()
         for order, (w, rank, ranks) in enumerate(targets):
             tenant = w.url if rank is None else f"{w.url}#{rank}"
             tree_tokens = max(0, per_tenant.get(tenant, 0) - (1 if tokens else 0)) * tree_unit
@@ -175,8 +180,12 @@ class KvAwarePolicy:
                     cached, branch = c, state
             cached = min(int(cached), cap)
             lk = (w.url, rank)
-            cost = (self.prefill_weight * (key.prompt_tokens - cached)
-                    + self.load_weight * self.load_tokens.get(lk, 0))
+            load = self.load_tokens.get(lk, 0)
+            if engine_loads is not None:  # the engine's own count, while fresh (loads.py)
+                seen = engine_loads.tokens(w.url, rank, now)
+                if seen is not None and seen > load:
+                    load = seen
+            cost = (self.prefill_weight * (key.prompt_tokens - cached) + self.load_weight * load)
             reqs = self.inflight.get(lk, 0) if rank is not None else w.load
             score = (cost, reqs, order)
             if best is None or score < best[0]:
