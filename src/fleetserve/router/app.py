@@ -23,6 +23,7 @@ from .admission import make_admission
 from .circuit_breaker import CircuitBreaker
 from .config import RouterConfig
 from .metrics import RouterStats, make_registry
+from .prediction import Predictions
 from .policies import make_policy
 from .sessions import StickySessions
 from .http.client import UpstreamPool
@@ -40,6 +41,7 @@ class Router:
         self.policy = make_policy(cfg.policy, cfg)
         self.sessions = StickySessions.from_config(cfg) if cfg.sticky_sessions else None  # --sticky-sessions
         self.stats = RouterStats()
+        self.predictions = Predictions()  # predicted vs engine-reported cached tokens, per worker (prediction.py)
         self.metrics_registry = make_registry(self)
         self.session: aiohttp.ClientSession | None = None  # control traffic: health, info, flush
         self.pool: UpstreamPool | None = None  # the proxy path
@@ -80,6 +82,10 @@ class Router:
             from .kv_events.sources import KvEventSources, parse_endpoint_flags
             self.kv_sources = KvEventSources(self.policy, parse_endpoint_flags(self.cfg.kv_events_endpoint))
             self._tasks.append(asyncio.create_task(self.kv_sources.run(self)))
+            if self.cfg.kv_loads_interval_secs > 0:  # the engines' own token loads (kv_events/loads.py)
+                from .kv_events.loads import EngineLoads
+                self.policy.engine_loads = EngineLoads(self.cfg.kv_loads_interval_secs)
+                self._tasks.append(asyncio.create_task(self.policy.engine_loads.run(self)))
 
     async def stop(self) -> None:
         for t in (*self.pending.values(), *self.drains.values()):

@@ -103,6 +103,7 @@ class RouterConfig:
     kv_load_weight: float = 1.0
     kv_speculative_ttl_secs: float = 2.0
     kv_index_max_blocks: int = 1 << 20
+    kv_loads_interval_secs: float = 1.0
     dp_aware: bool = False
     no_route_header: bool = False
 

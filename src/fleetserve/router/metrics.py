@@ -18,6 +18,9 @@ Families (prefix ``fleetserve_router_``):
 * ``routing_decision_seconds``: histogram of the time to choose a worker.
 * with ``--sticky-sessions``: ``sticky_sessions`` (sessions remembered) and
   ``sticky_decisions_total{result=hit|new|moved}``.
+* ``cache_prediction_abs_error_tokens{worker}`` (histogram), ``cache_predicted_tokens_total``,
+  ``cache_reported_tokens_total``, ``cache_unreported_total``: the cache policies' predicted vs.
+  engine-reported cached tokens (see :mod:`.prediction`).
 * ``kv_*``: ``kv_aware``'s streams, index and loads (see :mod:`.kv_events.metrics`).
 """
 
@@ -95,6 +98,10 @@ class RouterCollector:
             for label, attr in (("hit", "hits"), ("new", "new"), ("moved", "moved")):
                 sd.add_metric([label], getattr(sessions, attr))
             yield sd
+        preds = getattr(r, "predictions", None)
+        if preds is not None:  # predicted vs engine-reported cached tokens (prediction.py)
+            from .prediction import families as prediction_families
+            yield from prediction_families(preds)
         if getattr(policy, "index", None) is not None:  # kv_aware: its streams, index and loads
             from .kv_events.metrics import families
             yield from families(policy)

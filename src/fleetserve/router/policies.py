@@ -153,6 +153,9 @@ class CacheAwarePolicy:
         self.hits = 0
         self.misses = 0
         self.balanced = 0
+        # the last decision, for the route header and the prediction metric (route_header.py):
+        # (branch, characters of the text the chosen worker held before the insert)
+        self.last = ("miss", 0)
 
     def select(self, workers: list[Worker], text: str, retry: bool = False) -> Worker | None:
         if not workers:
@@ -174,9 +177,11 @@ class CacheAwarePolicy:
                     if over_balance(best.load, lo, self.abs_threshold, self.rel_threshold):
                         self.balanced += 1  # the owner itself is too busy: leave it for the least loaded
                         chosen = least_loaded(workers, tree)
+                        self.last = ("balanced", tree.prefix_match_tenant(text, chosen.url))
                     else:
                         self.hits += 1
                         chosen = best
+                        self.last = ("hit", matched)
                     tree.insert(text, chosen.url)
                     return chosen
         self.misses += 1
@@ -184,7 +189,10 @@ class CacheAwarePolicy:
         if over_balance(chosen.load, lo, self.abs_threshold, self.rel_threshold):
             chosen = least_loaded(workers, tree)  # only with smallest_tree: that worker is too busy
         if text:
+            self.last = ("miss", tree.prefix_match_tenant(text, chosen.url))
             tree.insert(text, chosen.url)
+        else:
+            self.last = ("miss", 0)
         return chosen
 
     def _miss_target(self, workers: list[Worker]) -> Worker:
@@ -201,6 +209,7 @@ class CacheAwarePolicy:
         cap = math.ceil(self.bounded_load_factor * (sum(loads) + 1) / len(workers)) + self.bounded_load_slack
         cands = [w for w, load in zip(workers, loads) if load + 1 <= cap]
         chosen = None
+        per = {}
         if text:
             per = tree.match_per_tenant(text)
             if per:
@@ -214,6 +223,9 @@ class CacheAwarePolicy:
         if chosen is None:
             self.misses += 1
             chosen = self._miss_target(cands)
+            self.last = ("miss", per.get(chosen.url, 0))
+        else:
+            self.last = ("hit", per.get(chosen.url, 0))
         if text:
             tree.insert(text, chosen.url)
         return chosen

@@ -31,6 +31,7 @@ import orjson
 from .http.client import UpstreamError, UpstreamResponse, UpstreamTimeoutError
 from .http.server import Request, Response, error_body, json_error
 from .retry import backoff_delay_s
+from .route_header import HEADER, route_of
 from .routing_text import routing_text
 from .workers import Worker
 
@@ -161,6 +162,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
         worker = None
         if session is not None and not tried:
             worker = router.sessions.select(session, workers, text, policy)
+        by_session = worker is not None
         if worker is None:
             worker = policy.select(workers, text, retry=bool(tried))
         if session is not None and worker is not None:
@@ -173,8 +175,14 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
                                   code="no_healthy_worker")
             return failure
         decorate = getattr(policy, "decorate", None)  # kv_aware: the DP rank to use, the route header
-        body, hdrs, shown = decorate(text, request.body, headers) if decorate else (request.body, headers, ())
-        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown)
+        if decorate is not None:
+            body, hdrs, shown = decorate(text, request.body, headers)
+            predicted = None if by_session else getattr(text, "cached", None)
+        else:  # every other policy: the route header (route_header.py)
+            body, hdrs = request.body, headers
+            value, predicted = route_of(policy, worker, text, by_session)
+            shown = () if cfg.no_route_header else ((HEADER, value),)
+        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, predicted)
         kind = type(result)
         if kind is not _Retry and kind is not _Busy:
             return result
@@ -194,8 +202,11 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
 
 
 async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool,
-                   body: bytes | None = None, shown=()):
+                   body: bytes | None = None, shown=(), predicted: int | None = None):
     """One upstream attempt: the client's response, None once streamed, or a :class:`_Retry`.
+
+    ``predicted``: the policy's predicted cached tokens, compared with the engine's report
+    in a 200 answer (:mod:`.prediction`); None: no guess to judge.
 
     ``worker.load`` is held from before the send until this returns, whatever happens
     (answer, error, timeout, or cancellation when the client goes away).
@@ -221,6 +232,8 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             if not stream or resp.content_type != "text/event-stream":
                 data = await resp.read()
                 worker.breaker.record_success()
+                if predicted is not None and status == 200:
+                    router.predictions.observe(worker.url, predicted, data)
                 return Response(status, data, resp.headers.get("content-type", _JSON),
                                 [*_forwarded_headers(resp), *shown])
             # a stream: nothing goes to the client before the first piece of body has arrived,
@@ -231,7 +244,9 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             err = _upstream_error(e, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}")
             return _Retry(Response(504 if isinstance(e, UpstreamTimeoutError) else 502, orjson.dumps(err)))
         # streaming: from here on bytes reach the client, so no retry
-        await _stream(request, worker, resp, first, shown)
+        tail = await _stream(request, worker, resp, first, shown)
+        if predicted is not None and tail is not None and resp.status == 200:
+            router.predictions.observe(worker.url, predicted, tail)
         return None
     finally:
         worker.load -= 1
@@ -239,19 +254,22 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             resp.release()
 
 
-async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes, shown=()) -> None:
+async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes, shown=()) -> bytes | None:
     """Pass a streamed answer through chunk by chunk, as each arrives (``chunk``: the first piece, b'' if none;
-    ``shown``: extra response headers, e.g. kv_aware's route header)."""
+    ``shown``: extra response headers, e.g. the route header).  Returns the stream's last two chunks
+    (where the final usage / meta_info is) when it ended cleanly, else None."""
     try:
         extra = [*_forwarded_headers(resp), *shown]
         if "cache-control" not in resp.headers:
             extra.append(("Cache-Control", "no-cache"))
         request.start_stream(resp.status, resp.headers.get("content-type", "text/event-stream"), extra)
         tail = b"\n\n"  # the last two bytes sent: is an event open?
+        prev = last = b""  # the last two chunks: the engine's final cached_tokens report is in them
         try:
             while chunk:
                 await request.write(chunk)
                 tail = (tail + chunk)[-2:]
+                prev, last = last, chunk
                 chunk = await resp.next_chunk()
         except UpstreamError as e:
             # bytes already reached the client, so no retry: close off any half event and
@@ -260,8 +278,9 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chun
             err = _upstream_error(e, f"worker {worker.url} failed mid-stream: {type(e).__name__}: {e}")
             await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err) + b"\n\n")
             request.end_stream()
-            return
+            return None
         worker.breaker.record_success()
         request.end_stream()
+        return prev + last
     except ConnectionResetError:
-        pass  # the client went away; _attempt's finally releases the worker
+        return None  # the client went away; _attempt's finally releases the worker

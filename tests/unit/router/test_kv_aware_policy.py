@@ -59,7 +59,7 @@ def test_fallback_uses_the_tree_and_exact_ignores_it():
     pol.tree.insert(RouteKey("", P).tree_text(), B)  # the router sent it to B too, but B's engine says no
     key = RouteKey("", P, 0)
     assert pol.select([Worker(A), Worker(B)], key).url == A
-    assert (key.branch, key.cached) == ("fallback", 32)
+    assert (key.branch, key.cached) == ("fallback", 31)  # at most prompt[:-1]: the engine computes the last token
 
 
 def test_degraded_takes_the_larger_of_index_and_tree():
@@ -91,11 +91,11 @@ def test_dp_aware_picks_a_rank_and_without_it_a_worker_takes_its_best_rank():
     pol = policy({A: ["exact", "exact"]}, speculative_ttl_s=0, dp_aware=True)
     store(pol, A, P, rank=1)
     key = RouteKey("", P, 0)
-    assert pol.select([Worker(A)], key).url == A and key.rank == 1 and key.cached == 32
+    assert pol.select([Worker(A)], key).url == A and key.rank == 1 and key.cached == 28  # 7 blocks: prompt[:-1]
     pol2 = policy({A: ["exact", "exact"], B: ["exact"]}, speculative_ttl_s=0)
     store(pol2, A, P, rank=1)
     key = RouteKey("", P, 0)
-    assert pol2.select([Worker(B), Worker(A)], key).url == A and key.rank is None and key.cached == 32
+    assert pol2.select([Worker(B), Worker(A)], key).url == A and key.rank is None and key.cached == 28
 
 
 def test_text_without_tokens_is_routed_on_the_tree_in_token_units():

@@ -28,12 +28,15 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "arrive (0: off)")
     g.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
                    help="kv_aware: (target, block) entries the event index keeps, all workers together")
+    g.add_argument("--kv-loads-interval-secs", type=float, default=d.kv_loads_interval_secs,
+                   help="kv_aware: poll each worker's GET /v1/loads this often and use its token load while "
+                        "fresh (3 intervals); 0: router-side counts only")
     g.add_argument("--dp-aware", action="store_true",
                    help="kv_aware: each DP rank of a worker is a target; the request names the chosen rank "
                         "(routed_dp_rank in the body, X-data-parallel-rank header)")
     g.add_argument("--no-route-header", action="store_true",
-                   help="kv_aware: do not add x-fleetserve-route (target, rank, branch, predicted cached tokens) "
-                        "to answers")
+                   help="every policy: do not add x-fleetserve-route (target, rank, branch, predicted cached "
+                        "tokens) to answers")
 
 
 def validate(cfg) -> None:
@@ -44,6 +47,8 @@ def validate(cfg) -> None:
         raise ValueError("--kv-prefill-weight and --kv-load-weight must be >= 0")
     if cfg.kv_speculative_ttl_secs < 0:
         raise ValueError("--kv-speculative-ttl-secs must be >= 0")
+    if cfg.kv_loads_interval_secs < 0:
+        raise ValueError("--kv-loads-interval-secs must be >= 0")
     if cfg.kv_index_max_blocks < 1:
         raise ValueError("--kv-index-max-blocks must be >= 1")
     parse_endpoint_flags(cfg.kv_events_endpoint)

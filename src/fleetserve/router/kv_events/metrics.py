@@ -8,6 +8,7 @@
   stored blocks skipped for an unknown parent.
 * ``decisions_total{branch}``: decisions by the chosen target's trust.
 * ``load_tokens{target}``: in-flight tokens per target (``url`` or ``url#rank``).
+* ``engine_load_tokens{worker,dp_rank}``: the engines' fresh ``/v1/loads`` ``num_total_tokens``.
 """
 
 from __future__ import annotations
@@ -49,3 +50,13 @@ def families(policy):
     for (url, rank), n in list(policy.load_tokens.items()):
         load.add_metric([url if rank is None else f"{url}#{rank}"], n)
     yield load
+    el = policy.engine_loads
+    if el is not None:
+        eng = GaugeMetricFamily(_P + "engine_load_tokens", "Fresh /v1/loads num_total_tokens per worker and DP rank",
+                                labels=["worker", "dp_rank"])
+        for url in list(el.snapshots):
+            for rank in sorted(el.snapshots[url][1]):
+                n = el.tokens(url, rank)
+                if n is not None:
+                    eng.add_metric([url, str(rank)], n)
+        yield eng

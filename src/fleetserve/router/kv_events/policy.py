@@ -5,7 +5,8 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
     cost(t) = --kv-prefill-weight x (prompt_tokens - cached_tokens(t))
             + --kv-load-weight    x load_tokens(t)
 
-* ``cached_tokens(t)``: the prompt's prefix ``t`` holds, by the trust of its
+* ``cached_tokens(t)``: the prompt's prefix ``t`` holds (at most ``prompt[:-1]``:
+  engines always compute the last prompt token), by the trust of its
   KV-event stream (:mod:`.subscriber`): ``exact`` -> the event index (plus
   speculative entries); ``degraded`` -> the larger of the index and the
   approximate tree; ``fallback`` -> the approximate tree.  Without
@@ -14,7 +15,8 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
 * ``load_tokens(t)``: this router's in-flight tokens on ``t``: each request
   counts its prompt tokens plus its ``max_tokens`` / ``max_new_tokens``
   (:data:`DEFAULT_DECODE_TOKENS` when absent, at most :data:`MAX_DECODE_TOKENS`)
-  from the routing decision until its answer ends.
+  from the routing decision until its answer ends; while the engine's own
+  ``/v1/loads`` figure is fresh, the larger of the two (:mod:`.loads`).
 
 Lowest cost wins; ties go to the fewest in-flight requests, then registration
 order.  The scoring follows NVIDIA Dynamo's KV router (overlap blocks vs.
@@ -35,9 +37,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..radix_tree import RadixTree
+from ..route_header import CHARS_PER_TOKEN, HEADER, format_route
 from ..routing_text import ids_text
 from .index import BlockIndex
 from .subscriber import DEGRADED, EXACT, FALLBACK
@@ -47,7 +51,6 @@ log = logging.getLogger("fleetserve.router")
 
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
-CHARS_PER_TOKEN = 4  # for requests routed on their text (no token ids)
 
 
 class RouteKey:
@@ -72,9 +75,7 @@ class RouteKey:
 
     def route_header(self) -> str:
         """The ``x-fleetserve-route`` value: ``target=URL; dp_rank=R|-; branch=B; cached_tokens=N; prompt_tokens=M``."""
-        rank = "-" if self.rank is None else str(self.rank)
-        return (f"target={self.target[0]}; dp_rank={rank}; branch={self.branch}; cached_tokens={self.cached}; "
-                f"prompt_tokens={self.prompt_tokens}")
+        return format_route(self.target[0], self.rank, self.branch, self.cached, self.prompt_tokens)
 
 
 def with_dp_rank(body: bytes, rank: int) -> bytes:
@@ -117,6 +118,7 @@ class KvAwarePolicy:
         self.load_tokens: dict = {}  # (url, rank or None) -> in-flight tokens
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
+        self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
 
     # ------------------------------------------------------------ per request
     async def prepare(self, path: str, body: dict, text: str) -> RouteKey:
@@ -159,8 +161,13 @@ class KvAwarePolicy:
                 targets.extend((w, r, (r,)) for r in ranks)
             else:
                 targets.append((w, None, ranks))
-        matched = self.index.match(tokens, all_targets) if tokens else {}
+        # the engine always computes the last prompt token (vLLM, SGLang and ours match at most
+        # prompt[:-1], in whole pages), so the prefix that can be cached is prompt[:-1]
+        matched = self.index.match(tokens[:-1], all_targets) if tokens else {}
+        cap = max(key.prompt_tokens - 1, 0)
         best = None
+        engine_loads = self.engine_loads
+        now = time.monotonic()
         for order, (w, rank, ranks) in enumerate(targets):
             tenant = w.url if rank is None else f"{w.url}#{rank}"
             tree_tokens = max(0, per_tenant.get(tenant, 0) - (1 if tokens else 0)) * tree_unit
@@ -171,10 +178,14 @@ class KvAwarePolicy:
                 c = ev if state == EXACT else max(ev, tree_tokens) if state == DEGRADED else tree_tokens
                 if c > cached:
                     cached, branch = c, state
-            cached = min(int(cached), key.prompt_tokens)
+            cached = min(int(cached), cap)
             lk = (w.url, rank)
-            cost = (self.prefill_weight * (key.prompt_tokens - cached)
-                    + self.load_weight * self.load_tokens.get(lk, 0))
+            load = self.load_tokens.get(lk, 0)
+            if engine_loads is not None:  # the engine's own count, while fresh (loads.py)
+                seen = engine_loads.tokens(w.url, rank, now)
+                if seen is not None and seen > load:
+                    load = seen
+            cost = (self.prefill_weight * (key.prompt_tokens - cached) + self.load_weight * load)
             reqs = self.inflight.get(lk, 0) if rank is not None else w.load
             score = (cost, reqs, order)
             if best is None or score < best[0]:
@@ -199,7 +210,7 @@ class KvAwarePolicy:
             headers = headers + b"X-data-parallel-rank: %d\r\n" % key.rank
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route: %s", key.route_header())
-        return body, headers, ((("x-fleetserve-route", key.route_header()),) if self.route_header else ())
+        return body, headers, (((HEADER, key.route_header()),) if self.route_header else ())
 
     def _record(self, url: str, rank: int | None, key: RouteKey) -> None:
         tenant = url if rank is None else f"{url}#{rank}"

@@ -1,0 +1,88 @@
+"""kv_aware's load correction from the engines' ``/v1/loads``: used while fresh, ignored when stale."""
+
+import time
+from types import SimpleNamespace
+
+from aiohttp import web
+
+from fleetserve.router.kv_events.decode import BlockStored
+from fleetserve.router.kv_events.loads import STALE_INTERVALS, EngineLoads, ranks_tokens
+from fleetserve.router.kv_events.policy import KvAwarePolicy, RouteKey
+from fleetserve.router.workers import Worker
+
+A, B = "http://a:1", "http://b:1"
+P = list(range(1000, 1032))  # 8 blocks of 4
+
+
+def kv(states, **kw):
+    pol = KvAwarePolicy(speculative_ttl_s=0, **kw)
+    for url, st in states.items():
+        pol.subs[url] = {r: SimpleNamespace(state=s) for r, s in enumerate(st)}
+    return pol
+
+
+def test_ranks_tokens_reads_num_total_tokens_per_rank():
+    doc = {"timestamp": "x", "dp_rank_count": 2, "loads": [
+        {"dp_rank": 0, "num_running_reqs": 1, "num_total_tokens": 700},
+        {"dp_rank": 1, "num_running_reqs": 0, "num_total_tokens": 0}], "aggregate": {"total_tokens": 700}}
+    assert ranks_tokens(doc) == {0: 700, 1: 0}
+    assert ranks_tokens({"loads": [{"dp_rank": 0, "num_total_tokens": "many"}]}) is None
+    assert ranks_tokens({"detail": "Not Found"}) is None and ranks_tokens([1, 2]) is None
+
+
+def test_fresh_engine_load_moves_a_request_off_a_busy_worker_and_stale_does_not():
+    pol = kv({A: ["exact"], B: ["exact"]})
+    pol.index.apply((A, 0), BlockStored(list(range(8)), None, P, 4))
+    el = pol.engine_loads = EngineLoads(1.0)
+    now = time.monotonic()
+    # A holds 28 of the prompt's tokens (cost 33 - 28 = 5), B none (33); A's engine is busy with 100 foreign tokens
+    el.put(A, {0: 100}, now)
+    el.put(B, {0: 0}, now)
+    key = RouteKey("", P + [1], 0)
+    assert pol.select([Worker(A), Worker(B)], key).url == B
+    pol.release(key)
+    # the same snapshot, stale: the router-side count (0) decides, and the cache wins
+    el.put(A, {0: 100}, now - STALE_INTERVALS * 1.0 - 0.1)
+    key = RouteKey("", P + [1], 0)
+    assert pol.select([Worker(A), Worker(B)], key).url == A
+    assert el.tokens(A, None) is None and el.tokens(B, None) == 0
+
+
+def test_router_side_count_wins_when_larger_and_ranks_are_summed_or_apart():
+    el = EngineLoads(1.0)
+    el.put(A, {0: 10, 1: 30})
+    assert el.tokens(A, None) == 40 and el.tokens(A, 1) == 30 and el.tokens(A, 2) is None
+    pol = kv({A: ["exact", "exact"]}, dp_aware=True)
+    pol.engine_loads = el
+    key = RouteKey("", [7] * 9, 0)
+    assert pol.select([Worker(A)], key).url == A and key.rank == 0  # rank 0: 10 < 30
+    pol.load_tokens[(A, 0)] = 50  # this router has more in flight on rank 0 than the engine reported
+    key2 = RouteKey("", [8] * 9, 0)
+    pol.select([Worker(A)], key2)
+    assert key2.rank == 1  # max(50, 10) on rank 0 > max(0, 30) on rank 1
+
+
+async def test_poll_asks_v1_loads_and_retries_a_worker_without_it_later(start_app):
+    async def loads(_req):
+        return web.json_response({"loads": [{"dp_rank": 0, "num_total_tokens": 123}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/loads", loads)
+    runner, good = await start_app(app)
+    runner2, bad = await start_app(web.Application())  # 404 on /v1/loads
+    import aiohttp
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, registry=SimpleNamespace(urls=lambda: [good, bad]))
+            el = EngineLoads(0.5)
+            await el.poll(router)
+            assert el.tokens(good, None) == 123 and el.tokens(bad, None) is None
+            assert (el.polls, el.failures) == (2, 1)
+            await el.poll(router)  # the worker without /v1/loads is not asked again so soon
+            assert (el.polls, el.failures) == (3, 1)
+            router.registry = SimpleNamespace(urls=lambda: [bad])
+            await el.poll(router)
+            assert good not in el.snapshots  # removed workers are forgotten
+    finally:
+        await runner.cleanup()
+        await runner2.cleanup()
