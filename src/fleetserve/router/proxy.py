@@ -14,7 +14,9 @@ retried on another worker (when there is one) after an exponential backoff
 with jitter, up to ``--retry-max-retries`` attempts -- only while nothing has
 been sent to the client.  A stream is held back until its first piece of body
 arrives, so a worker that fails before its first event is retried too; once a
-streamed response has started, a failure ends the stream with an error event.
+streamed response has started, a failure migrates the request to another worker
+(:mod:`.migration`, ``--max-migrations``), and past that ends the stream with an
+error event.
 A 429 or 503 answer is back-pressure: retried at once on a worker not asked
 yet, else passed to the client unchanged, and never a circuit-breaker failure.
 Any other 4xx answer passes through unchanged and counts as a worker success.
@@ -30,6 +32,7 @@ import orjson
 
 from .http.client import UpstreamError, UpstreamResponse, UpstreamTimeoutError
 from .http.server import Request, Response, error_body, json_error
+from . import migration
 from .retry import backoff_delay_s
 from .routing_text import routing_text
 from .workers import Worker
@@ -126,7 +129,7 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
             text = await prepare(path, body, text)
         sessions = router.sessions
         session = sessions.key(request.headers, body) if sessions is not None else None
-        return await _forward(router, request, path, text, body.get("stream") is True, session)
+        return await _forward(router, request, path, text, body.get("stream") is True, session, body)
     finally:
         router.handling -= 1
         if prepare is not None:
@@ -136,17 +139,19 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
 
 
 async def _forward(router: Router, request: Request, path: str, text, stream: bool,
-                   session: str | None = None) -> Response | None:
+                   session: str | None = None, parsed: dict | None = None) -> Response | None:
     """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet.
 
     ``text``: the routing key (the prompt text, or kv_aware's prepared token ids).
     ``session``: the session key (``--sticky-sessions``): its worker goes first when it can take the
     request (see :mod:`.sessions`), and the session follows the worker each attempt goes to.
+    ``parsed``: the client's body, parsed (a stream that fails after it started migrates from it).
     """
     cfg = router.cfg
     stats = router.stats
     policy = router.policy
     headers = _credential_lines(request)
+    mig = migration.start(router, path, parsed, text, headers) if stream and parsed is not None else None
     tried: list[Worker] = []
     failure: Response | None = None
     attempt = 0
@@ -174,7 +179,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
             return failure
         decorate = getattr(policy, "decorate", None)  # kv_aware: the DP rank to use, the route header
         body, hdrs, shown = decorate(text, request.body, headers) if decorate else (request.body, headers, ())
-        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown)
+        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, mig)
         kind = type(result)
         if kind is not _Retry and kind is not _Busy:
             return result
@@ -194,7 +199,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
 
 
 async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool,
-                   body: bytes | None = None, shown=()):
+                   body: bytes | None = None, shown=(), mig: migration.Migration | None = None):
     """One upstream attempt: the client's response, None once streamed, or a :class:`_Retry`.
 
     ``worker.load`` is held from before the send until this returns, whatever happens
@@ -230,8 +235,8 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             _fail(worker)
             err = _upstream_error(e, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}")
             return _Retry(Response(504 if isinstance(e, UpstreamTimeoutError) else 502, orjson.dumps(err)))
-        # streaming: from here on bytes reach the client, so no retry
-        await _stream(request, worker, resp, first, shown)
+        # streaming: from here on bytes reach the client, so no retry (a migration instead, with mig)
+        await _stream(request, worker, resp, first, shown, mig)
         return None
     finally:
         worker.load -= 1
@@ -239,9 +244,11 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             resp.release()
 
 
-async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes, shown=()) -> None:
+async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes, shown=(),
+                  mig: migration.Migration | None = None) -> None:
     """Pass a streamed answer through chunk by chunk, as each arrives (``chunk``: the first piece, b'' if none;
-    ``shown``: extra response headers, e.g. kv_aware's route header)."""
+    ``shown``: extra response headers, e.g. kv_aware's route header; ``mig``: the migration tracker, which
+    passes on whole events only, or None)."""
     try:
         extra = [*_forwarded_headers(resp), *shown]
         if "cache-control" not in resp.headers:
@@ -250,17 +257,33 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chun
         tail = b"\n\n"  # the last two bytes sent: is an event open?
         try:
             while chunk:
-                await request.write(chunk)
-                tail = (tail + chunk)[-2:]
+                if mig is None:
+                    await request.write(chunk)
+                    tail = (tail + chunk)[-2:]
+                else:
+                    out, bad = mig.feed(chunk)
+                    if out:
+                        await request.write(out)
+                    if bad is not None or worker.removed:
+                        raise migration.WorkerFailed("an error event" if bad else "worker removed", bad or b"")
                 chunk = await resp.next_chunk()
         except UpstreamError as e:
-            # bytes already reached the client, so no retry: close off any half event and
-            # end with an OpenAI-style error event (and no [DONE]) rather than a silent cut
+            # bytes already reached the client, so no retry: continue on another worker (mig), else
+            # close off any half event and end with an error event (and no [DONE]) rather than a silent cut
             _fail(worker)
-            err = _upstream_error(e, f"worker {worker.url} failed mid-stream: {type(e).__name__}: {e}")
-            await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err) + b"\n\n")
+            if mig is not None and await mig.resume(request, worker):
+                request.end_stream()
+                return
+            if getattr(e, "event", b""):
+                await request.write(e.event)  # the worker's own error event
+            else:
+                err = _upstream_error(e, f"worker {worker.url} failed mid-stream: {type(e).__name__}: {e}")
+                await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err)
+                                    + b"\n\n")
             request.end_stream()
             return
+        if mig is not None and mig.buf:
+            await request.write(mig.buf)  # an unfinished last event, passed on as it came
         worker.breaker.record_success()
         request.end_stream()
     except ConnectionResetError:
