@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier)
     g.add_argument("--retry-jitter-factor", type=float, default=d.retry_jitter_factor)
     g.add_argument("--disable-retries", action="store_true")
-    g.add_argument("--max-migrations", type=int, default=d.max_migrations,
+    g.add_argument("--max-migrations", "--migration-limit", dest="max_migrations", type=int,
+                   default=d.max_migrations,
                    help="times a stream whose worker fails after it started is continued on another worker "
                         "(0: off; see docs/router.md, Request migration)")
     g = p.add_argument_group("circuit breaker")

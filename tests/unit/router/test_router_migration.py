@@ -330,3 +330,14 @@ def test_batch_requests_are_not_migrated(InProcessRouter):
             await b.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_max_migrations_flag(capsys):
+    from fleetserve.router.config import parse_args
+
+    assert parse_args([]).max_migrations == 1
+    assert parse_args(["--migration-limit", "3"]).max_migrations == 3  # Dynamo's name
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--max-migrations", "-1"])
+    assert e.value.code == 2
+    assert "--max-migrations must be >= 0" in capsys.readouterr().err
