@@ -22,7 +22,8 @@ reason (``stop`` at the script's end, else ``length``), usage when asked
 
 ``die(after=k, how=...)``: on its next request it sends ``k`` events and then ``reset`` (RST),
 ``close`` (FIN, chunked body unfinished), ``error`` (an error event, then a clean end, as an
-engine that died does) or ``stall`` (nothing more).  ``bodies`` holds every request body.
+engine that died does) or ``stall`` (nothing more); with ``k`` past the last event, it sends
+``[DONE]`` and then resets before the chunked body's end.  ``bodies`` holds every request body.
 """
 
 from __future__ import annotations
@@ -218,4 +219,9 @@ class ScriptWorker:
             self.sent_events += 1
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
+        if dying is not None:  # asked to die after more events than there are: after [DONE], before the body's end
+            t.write(_chunk(b"data: [DONE]\n\n"))
+            await asyncio.sleep(_GAP_S)
+            _reset(t)
+            return
         t.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")

@@ -352,6 +352,8 @@ class Migration:
 
     def _ending(self) -> bytes:
         """The end of a complete answer the worker failed to end: a finish, usage, ``[DONE]``."""
+        if self.done:
+            return b""  # the worker failed after its [DONE]: the client has the whole answer
         out = []
         if self.finish is None:
             if self.path == GENERATE:

@@ -341,3 +341,27 @@ def test_max_migrations_flag(capsys):
         parse_args(["--max-migrations", "-1"])
     assert e.value.code == 2
     assert "--max-migrations must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_failure_after_done_needs_no_worker(InProcessRouter):
+    path, body = KINDS["chat"]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT).start()
+        b = await ScriptWorker("b", SCRIPT).start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
+                r.router.policy._next = 0
+                a.die(after=1000)  # [DONE], then a reset before the body's last chunk
+                status, raw = await post(s, r.url, path, body)
+                got = read_answer("chat", raw)
+                assert got["text"] == FULL and got["done"] == 1 and got["last_is_done"], raw.decode()
+                assert got["errors"] == [] and len(got["usage"]) == 1 and b.bodies == []
+                assert r.router.stats.migrations == 0
+                await settled(s, r)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
