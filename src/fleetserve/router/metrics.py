@@ -11,7 +11,7 @@ Families (prefix ``fleetserve_router_``):
 * ``failures_total{worker}``: attempts that failed by the worker's fault
   (connection error, timeout, 5xx other than a busy 503).
 * ``retries_total``: attempts after the first.
-* ``migrations_total``: continuation requests sent for streams whose worker failed mid-stream.
+* ``migrations_total``: continuations that streamed, for streams whose worker failed mid-stream.
 * ``inflight_requests{worker}``: the load used for routing.
 * ``worker_healthy{worker}``: 1 healthy, 0 not.
 * ``tree_size_chars{worker}``: characters the cache_aware tree holds for each worker.
@@ -80,7 +80,7 @@ class RouterCollector:
         yield CounterMetricFamily("fleetserve_router_retries", "Upstream attempts after the first",
                                   value=r.stats.retries)
         yield CounterMetricFamily("fleetserve_router_migrations", "Streams continued on another worker after a "
-                                  "mid-stream failure (continuation requests sent)", value=r.stats.migrations)
+                                  "mid-stream failure (continuations that streamed)", value=r.stats.migrations)
         yield CounterMetricFamily("fleetserve_router_no_worker", "Requests answered 503: no available worker",
                                   value=r.stats.no_worker)
         yield CounterMetricFamily("fleetserve_router_bad_requests", "Requests answered 400: body not a JSON object",

@@ -380,13 +380,17 @@ class Migration:
     async def resume(self, request: Request, failed: Worker) -> bool:
         """Continue the answer after ``failed`` failed mid-stream; True when the stream was completed.
 
-        Tries other available workers (the policy chooses, as for a retry) until one finishes
-        the answer or ``--max-migrations`` continuations were sent.  False: the caller ends the
-        stream with an error event.  Raises ConnectionResetError when the client went away.
+        Tries other available workers (the policy chooses, as for a retry) until one finishes the
+        answer or ``--max-migrations`` continuations have started streaming.  A continuation that
+        fails before its first event (refused, an error status) is retried on another worker not
+        tried yet, up to ``--retry-max-retries`` attempts per migration, without counting as one.
+        False: the caller ends the stream with an error event.  Raises ConnectionResetError when
+        the client went away.
         """
         router = self.router
         tried = [failed]
         self.buf = b""  # an unfinished event of the failed worker is dropped, never sent
+        attempts = 0
         while True:
             plan = self.plan()
             if plan is None:
@@ -395,28 +399,36 @@ class Migration:
             if kind == "end":
                 await request.write(data)
                 return True
-            if self.migrations >= self.limit:
+            if self.migrations >= self.limit or attempts >= router.max_attempts:
                 return False
             workers = [w for w in router.registry.available() if w not in tried]
             worker = router.policy.select(workers, self.route_text, retry=True) if workers else None
             if worker is None:
                 return False
-            self.migrations += 1
-            router.stats.migrations += 1
             tried.append(worker)
             self.rewriting = True
             self.base_text, self.base_tokens = self.text, self.tokens
             self.base_ids = list(self.ids) if self.ids is not None else None
-            if await self._continue_on(request, worker, data):
+            outcome = await self._continue_on(request, worker, data)
+            if outcome == "done":
                 return True
             self.buf = b""
+            if outcome == "failed_before":
+                attempts += 1
+            else:  # it streamed, then failed: one migration used, the next one starts afresh
+                attempts = 0
 
-    async def _continue_on(self, request: Request, worker: Worker, body: bytes) -> bool:
-        """Stream ``worker``'s answer to the continuation into the client's stream; True if it ended well."""
+    async def _continue_on(self, request: Request, worker: Worker, body: bytes) -> str:
+        """Stream ``worker``'s answer to the continuation into the client's stream.
+
+        Returns ``"done"`` (the answer ended well), ``"failed_before"`` (it failed before its first
+        event) or ``"failed"`` (after; counted in ``migrations``).
+        """
         router = self.router
         worker.load += 1
         worker.requests += 1
         resp = None
+        started = False
         try:
             try:
                 resp = await router.pool.post(worker.url, self.path, body, self.headers)
@@ -424,25 +436,29 @@ class Migration:
                     await resp.read()
                     if resp.status >= 500 and resp.status != 503:
                         _fail(worker)
-                    return False
+                    return "failed_before"
                 while True:
                     chunk = await resp.next_chunk()
                     if not chunk:
                         break
+                    if not started:
+                        started = True
+                        self.migrations += 1
+                        router.stats.migrations += 1
                     out, err = self.feed(chunk)
                     if out:
                         await request.write(out)
                     if err is not None or worker.removed:
                         _fail(worker)
-                        return False
+                        return "failed"
             except UpstreamError:
                 _fail(worker)
-                return False
+                return "failed" if started else "failed_before"
             if self.buf:
                 await request.write(self.buf)
                 self.buf = b""
             worker.breaker.record_success()
-            return True
+            return "done"
         finally:
             worker.load -= 1
             if resp is not None:

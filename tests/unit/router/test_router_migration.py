@@ -365,3 +365,26 @@ def test_failure_after_done_needs_no_worker(InProcessRouter):
             await b.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_continuation_is_retried_without_counting(InProcessRouter):
+    path, body = KINDS["generate_ids"]
+
+    async def main():
+        ws = [await ScriptWorker(n, SCRIPT).start() for n in "abc"]
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([w.url for w in ws])) as r:
+                r.router.policy._next = 0
+                ws[0].die(after=DIE_AFTER_TOKENS)
+                await ws[2].close()  # the policy's first choice for the continuation (turn 1 of [b, c]) is gone
+                status, raw = await post(s, r.url, path, body)
+                got = read_answer("generate_ids", raw)
+                assert got["text"] == FULL and got["done"] == 1 and got["errors"] == [], raw.decode()
+                assert len(ws[1].bodies) == 1 and r.router.stats.migrations == 1
+                await settled(s, r)
+        finally:
+            for w in ws[:2]:
+                await w.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
