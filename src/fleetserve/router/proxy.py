@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from . import migration
 from .http.client import UpstreamError, UpstreamResponse, UpstreamTimeoutError
 from .http.server import Request, Response, error_body, json_error
-from . import migration
 from .retry import backoff_delay_s
 from .routing_text import routing_text
 from .workers import Worker
