@@ -38,6 +38,11 @@ never said, the continuation's prompt tokens less the tokens so far) and all com
 tokens.  One ``[DONE]`` ends the stream.  A failure after the last token (the limit reached,
 or a finish reason already sent) needs no worker: the router ends the stream itself.
 
+``--max-migrations`` counts continuations that streamed; one that fails before its first
+event is retried on another worker at once (up to ``--retry-max-retries`` attempts) without
+using a migration.  The continuation is not given kv_aware's DP-rank decoration, and a
+``--sticky-sessions`` session is not moved to the continuing worker.
+
 Not migrated (today's error event instead): several prompts or ``n > 1``, ``/generate`` with
 ``return_logprob``, completions with ``echo`` or a token-id prompt, chat that already sets
 ``continue_final_message``, and an answer that streamed tool calls or reasoning deltas.
