@@ -68,6 +68,7 @@ class RouterConfig:
     retry_backoff_multiplier: float = 1.5
     retry_jitter_factor: float = 0.2
     disable_retries: bool = False
+    max_migrations: int = 1
     cb_failure_threshold: int = 10
     cb_success_threshold: int = 3
     cb_timeout_duration_secs: float = 60.0
@@ -135,6 +136,8 @@ class RouterConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.retry_max_retries < 1:
             raise ValueError("--retry-max-retries must be >= 1 (it counts attempts)")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0 (0: off), got {self.max_migrations}")
         self._validate_sessions()
         self._validate_admission()
 
@@ -248,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier)
     g.add_argument("--retry-jitter-factor", type=float, default=d.retry_jitter_factor)
     g.add_argument("--disable-retries", action="store_true")
+    g.add_argument("--max-migrations", "--migration-limit", dest="max_migrations", type=int,
+                   default=d.max_migrations,
+                   help="times a stream whose worker fails after it started is continued on another worker "
+                        "(0: off; see docs/router.md, Request migration)")
     g = p.add_argument_group("circuit breaker")
     g.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold,
                    help="consecutive failures (within the window) that open a worker's circuit")

@@ -11,6 +11,7 @@ Families (prefix ``fleetserve_router_``):
 * ``failures_total{worker}``: attempts that failed by the worker's fault
   (connection error, timeout, 5xx other than a busy 503).
 * ``retries_total``: attempts after the first.
+* ``migrations_total``: continuations that streamed, for streams whose worker failed mid-stream.
 * ``inflight_requests{worker}``: the load used for routing.
 * ``worker_healthy{worker}``: 1 healthy, 0 not.
 * ``tree_size_chars{worker}``: characters the cache_aware tree holds for each worker.
@@ -37,10 +38,11 @@ DECISION_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 
 class RouterStats:
     """Plain counters bumped on the request path."""
 
-    __slots__ = ("retries", "no_worker", "bad_requests", "decision_counts", "decision_sum")
+    __slots__ = ("retries", "migrations", "no_worker", "bad_requests", "decision_counts", "decision_sum")
 
     def __init__(self) -> None:
         self.retries = 0
+        self.migrations = 0
         self.no_worker = 0
         self.bad_requests = 0
         self.decision_counts = [0] * (len(DECISION_BUCKETS_S) + 1)
@@ -80,6 +82,8 @@ class RouterCollector:
         yield from (req, fail, infl, healthy, tree)
         yield CounterMetricFamily("fleetserve_router_retries", "Upstream attempts after the first",
                                   value=r.stats.retries)
+        yield CounterMetricFamily("fleetserve_router_migrations", "Streams continued on another worker after a "
+                                  "mid-stream failure (continuations that streamed)", value=r.stats.migrations)
         yield CounterMetricFamily("fleetserve_router_no_worker", "Requests answered 503: no available worker",
                                   value=r.stats.no_worker)
         yield CounterMetricFamily("fleetserve_router_bad_requests", "Requests answered 400: body not a JSON object",

@@ -14,7 +14,9 @@ retried on another worker (when there is one) after an exponential backoff
 with jitter, up to ``--retry-max-retries`` attempts -- only while nothing has
 been sent to the client.  A stream is held back until its first piece of body
 arrives, so a worker that fails before its first event is retried too; once a
-streamed response has started, a failure ends the stream with an error event.
+streamed response has started, a failure migrates the request to another worker
+(:mod:`.migration`, ``--max-migrations``), and past that ends the stream with an
+error event.
 A 429 or 503 answer is back-pressure: retried at once on a worker not asked
 yet, else passed to the client unchanged, and never a circuit-breaker failure.
 Any other 4xx answer passes through unchanged and counts as a worker success.
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from . import migration
 from .http.client import UpstreamError, UpstreamResponse, UpstreamTimeoutError
 from .http.server import Request, Response, error_body, json_error
 from .retry import backoff_delay_s
@@ -127,7 +130,7 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
             text = await prepare(path, body, text)
         sessions = router.sessions
         session = sessions.key(request.headers, body) if sessions is not None else None
-        return await _forward(router, request, path, text, body.get("stream") is True, session)
+        return await _forward(router, request, path, text, body.get("stream") is True, session, body)
     finally:
         router.handling -= 1
         if prepare is not None:
@@ -137,17 +140,19 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
 
 
 async def _forward(router: Router, request: Request, path: str, text, stream: bool,
-                   session: str | None = None) -> Response | None:
+                   session: str | None = None, parsed: dict | None = None) -> Response | None:
     """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet.
 
     ``text``: the routing key (the prompt text, or kv_aware's prepared token ids).
     ``session``: the session key (``--sticky-sessions``): its worker goes first when it can take the
     request (see :mod:`.sessions`), and the session follows the worker each attempt goes to.
+    ``parsed``: the client's body, parsed (a stream that fails after it started migrates from it).
     """
     cfg = router.cfg
     stats = router.stats
     policy = router.policy
     headers = _credential_lines(request)
+    mig = migration.start(router, path, parsed, text, headers) if stream and parsed is not None else None
     tried: list[Worker] = []
     failure: Response | None = None
     attempt = 0
@@ -182,7 +187,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
             body, hdrs = request.body, headers
             value, predicted = route_of(policy, worker, text, by_session)
             shown = () if cfg.no_route_header else ((HEADER, value),)
-        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, predicted)
+        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, predicted, mig)
         kind = type(result)
         if kind is not _Retry and kind is not _Busy:
             return result
@@ -202,7 +207,8 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
 
 
 async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool,
-                   body: bytes | None = None, shown=(), predicted: int | None = None):
+                   body: bytes | None = None, shown=(), predicted: int | None = None,
+                   mig: migration.Migration | None = None):
     """One upstream attempt: the client's response, None once streamed, or a :class:`_Retry`.
 
     ``predicted``: the policy's predicted cached tokens, compared with the engine's report
@@ -243,8 +249,8 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             _fail(worker)
             err = _upstream_error(e, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}")
             return _Retry(Response(504 if isinstance(e, UpstreamTimeoutError) else 502, orjson.dumps(err)))
-        # streaming: from here on bytes reach the client, so no retry
-        tail = await _stream(request, worker, resp, first, shown)
+        # streaming: from here on bytes reach the client, so no retry (a migration instead, with mig)
+        tail = await _stream(request, worker, resp, first, shown, mig)
         if predicted is not None and tail is not None and resp.status == 200:
             router.predictions.observe(worker.url, predicted, tail)
         return None
@@ -254,10 +260,12 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             resp.release()
 
 
-async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes, shown=()) -> bytes | None:
+async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes, shown=(),
+                  mig: migration.Migration | None = None) -> bytes | None:
     """Pass a streamed answer through chunk by chunk, as each arrives (``chunk``: the first piece, b'' if none;
-    ``shown``: extra response headers, e.g. the route header).  Returns the stream's last two chunks
-    (where the final usage / meta_info is) when it ended cleanly, else None."""
+    ``shown``: extra response headers, e.g. the route header; ``mig``: the migration tracker, which
+    passes on whole events only, or None).  Returns the stream's last two chunks (where the final
+    usage / meta_info is) when this worker ended it cleanly, else None (failed, migrated, client gone)."""
     try:
         extra = [*_forwarded_headers(resp), *shown]
         if "cache-control" not in resp.headers:
@@ -267,18 +275,34 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chun
         prev = last = b""  # the last two chunks: the engine's final cached_tokens report is in them
         try:
             while chunk:
-                await request.write(chunk)
-                tail = (tail + chunk)[-2:]
+                if mig is None:
+                    await request.write(chunk)
+                    tail = (tail + chunk)[-2:]
+                else:
+                    out, bad = mig.feed(chunk)
+                    if out:
+                        await request.write(out)
+                    if bad is not None or worker.removed:
+                        raise migration.WorkerFailed("an error event" if bad else "worker removed", bad or b"")
                 prev, last = last, chunk
                 chunk = await resp.next_chunk()
         except UpstreamError as e:
-            # bytes already reached the client, so no retry: close off any half event and
-            # end with an OpenAI-style error event (and no [DONE]) rather than a silent cut
+            # bytes already reached the client, so no retry: continue on another worker (mig), else
+            # close off any half event and end with an error event (and no [DONE]) rather than a silent cut
             _fail(worker)
-            err = _upstream_error(e, f"worker {worker.url} failed mid-stream: {type(e).__name__}: {e}")
-            await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err) + b"\n\n")
+            if mig is not None and await mig.resume(request, worker):
+                request.end_stream()
+                return
+            if getattr(e, "event", b""):
+                await request.write(e.event)  # the worker's own error event
+            else:
+                err = _upstream_error(e, f"worker {worker.url} failed mid-stream: {type(e).__name__}: {e}")
+                await request.write((b"" if tail == b"\n\n" else b"\n\n") + b"data: " + orjson.dumps(err)
+                                    + b"\n\n")
             request.end_stream()
             return None
+        if mig is not None and mig.buf:
+            await request.write(mig.buf)  # an unfinished last event, passed on as it came
         worker.breaker.record_success()
         request.end_stream()
         return prev + last

@@ -75,13 +75,21 @@ class Procs:
 
     def engine(self, *extra: str, timeout: float = 240.0) -> tuple[str, subprocess.Popen]:
         """A real ``fleetserve serve`` instance (default model), torch limited to 2 threads."""
+        url, p = self.spawn_engine(*extra)
+        wait_http(url + "/health", timeout=timeout, proc=p)
+        return url, p
+
+    def spawn_engine(self, *extra: str) -> tuple[str, subprocess.Popen]:
+        """As :meth:`engine`, without waiting for it (its own process group: ``os.killpg(p.pid, ...)``)."""
         port = free_port()
         env = dict(os.environ, OMP_NUM_THREADS="2")
         p = self.spawn([sys.executable, "-m", "fleetserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                         *extra], env=env)
-        url = f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{port}", p
+
+    def wait_engine(self, url: str, p: subprocess.Popen, timeout: float = 240.0) -> None:
+        """Wait for a :meth:`spawn_engine` instance's ``/health``."""
         wait_http(url + "/health", timeout=timeout, proc=p)
-        return url, p
 
     def kill(self, p: subprocess.Popen) -> None:
         if p.poll() is None:

@@ -259,12 +259,15 @@ async def test_streaming_is_passed_through_without_buffering(procs):
 
 
 @pytest.mark.timeout(60)
-async def test_worker_dying_mid_stream_ends_with_an_error_event(procs):
-    """Bytes already reached the client, so no retry: the stream must end with an SSE error
-    event the client can see (not a silent cut), the worker's load must return to 0, and the
-    router must keep serving."""
+@pytest.mark.parametrize("migrations", ["0", "1"])
+async def test_worker_dying_mid_stream_ends_with_an_error_event(procs, migrations):
+    """Bytes already reached the client, so no retry, and with one worker no migration: the stream
+    must end with an SSE error event the client can see (not a silent cut), the worker's load must
+    return to 0, and the router must keep serving.  With migration on (the default), the router
+    passes whole events only, so the half event is never sent; with ``--max-migrations 0`` the
+    bytes pass through as they come and the half event is closed off."""
     u0, _ = procs.worker("w0")
-    router, _ = procs.router([u0])
+    router, _ = procs.router([u0], "--max-migrations", migrations)
     async with aiohttp.ClientSession() as s:
         async with s.post(router + "/v1/chat/completions",
                           json={"messages": [{"role": "user", "content": "hi"}], "stream": True,
@@ -273,11 +276,12 @@ async def test_worker_dying_mid_stream_ends_with_an_error_event(procs):
             body = await r.read()
         events = [e for e in body.split(b"\n\n") if e.strip()]
         assert [json.loads(e[len(b"data: "):])["i"] for e in events[:2]] == [0, 1]
-        # the half event is closed off on its own, then the error event; no [DONE]
-        assert events[2] == b'data: {"worker": "cut in the mid'
-        err = json.loads(events[3][len(b"data: "):])["error"]
+        if migrations == "0":  # the half event is closed off on its own, then the error event; no [DONE]
+            assert events[2] == b'data: {"worker": "cut in the mid'
+            events.pop(2)
+        err = json.loads(events[2][len(b"data: "):])["error"]
         assert err["code"] == "upstream_error" and err["type"] == "bad_gateway" and u0 in err["message"]
-        assert len(events) == 4 and b"[DONE]" not in body
+        assert len(events) == 3 and b"[DONE]" not in body
         assert await wait_loads_zero(s, router) == {u0: 0}
         st, ok = await post(s, router + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
         assert st == 200 and ok["worker"] == "w0"

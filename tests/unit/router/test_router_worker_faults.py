@@ -6,8 +6,9 @@ For each fault, on the stdlib event loop and on uvloop (the router's own), with:
   worker's answer -- a retry -- whenever nothing had reached it yet;
 * the faulty worker alone: a clean OpenAI-shaped 502 (``upstream_error``) or 504
   (``upstream_timeout``), never a 500 or a hang;
-* a stream that had already started: its events, then one error event and the end of
-  the stream, no ``[DONE]``.
+* a stream that had already started: with a second worker, migrated (the bad worker's
+  events, then the good one's, one ``[DONE]``; see tests/unit/router/test_router_migration.py
+  for the text); alone, its events, then one error event and the end of the stream, no ``[DONE]``.
 
 After each: the in-flight gauge of every worker is back to 0, nothing is being handled,
 and the router answers the next request normally.
@@ -113,7 +114,7 @@ async def scenario(InProcessRouter, fault_key: str, single: bool) -> None:
             async with s.post(r.url + "/generate", json=body_for(fault, stream)) as resp:
                 status, ctype, raw = resp.status, resp.headers.get("Content-Type", ""), await resp.read()
             expect = single_expect if single else (
-                single_expect if single_expect[0] == "events" else ("ok",))
+                ("migrated",) if single_expect[0] == "events" else ("ok",))
             if expect[0] == "ok":
                 assert status == 200, raw[:300]
                 if stream:
@@ -131,6 +132,14 @@ async def scenario(InProcessRouter, fault_key: str, single: bool) -> None:
                 err = json.loads(raw)["error"]
                 assert set(err) == {"message", "type", "param", "code"} and err["code"] == expect[2], err
                 assert "internal" not in err["message"]
+            elif expect[0] == "migrated":  # the bad worker's events, then the good one's, one [DONE]
+                assert status == 200, raw[:300]
+                evs = events(raw)
+                n_bad = 1 if fault == "stall_mid_stream" else 2
+                assert evs[-1] == "[DONE]" and evs.count("[DONE]") == 1, evs
+                assert [json.loads(e) for e in evs[:-1]] == [{"worker": "bad", "i": i} for i in range(n_bad)] + [
+                    {"worker": "good", "i": i} for i in range(3)], evs
+                assert r.router.stats.migrations == 1
             else:  # a stream that had started: its events, one error event, the end, no [DONE]
                 assert status == 200 and ctype.startswith("text/event-stream"), (status, raw[:300])
                 evs = events(raw)

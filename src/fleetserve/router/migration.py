@@ -1,0 +1,470 @@
+"""Request migration: a stream whose worker fails after it started goes on on another worker.
+
+Once bytes of a streamed answer reached the client, a retry would repeat them.  Instead,
+when the worker fails (connection reset or closed, timeout, an error event, the worker
+removed), the router sends the *same request with the answer so far appended* to another
+available worker and splices that worker's events into the client's stream, so the client
+sees one answer (``--max-migrations``, default 1; 0 turns this off).
+
+What the continuation request is (built from the client's parsed body; the rest unchanged,
+so sampling parameters are the same):
+
+============================  ===========================================================
+endpoint                      continuation
+============================  ===========================================================
+``/generate``, ``input_ids``  ``input_ids`` + the output ids so far (SGLang's events carry
+                              the cumulative ``output_ids``)
+``/generate``, ``text``       ``text`` + the text so far
+``/v1/completions``           ``prompt`` + the text so far
+``/v1/chat/completions``      ``messages`` + ``{"role": "assistant", "content": text so far}``,
+                              ``continue_final_message: true``, ``add_generation_prompt:
+                              false`` (vLLM's chat fields; ``fleetserve serve`` has them)
+============================  ===========================================================
+
+and ``max_tokens`` / ``max_completion_tokens`` / ``sampling_params.max_new_tokens`` less the
+completion tokens so far (when absent: 16 for completions and 128 for ``/generate``, the
+OpenAI and SGLang defaults; chat's absent limit stays absent).
+
+The completion tokens so far are exact for ``/generate`` (``meta_info.completion_tokens``)
+and where the worker reports usage in every chunk (``continuous_usage_stats``); otherwise they
+are counted as one per chunk that carried text (one decode step per chunk, as vLLM, SGLang
+and our engine stream without speculative decoding).
+
+How the later worker's events are rewritten: ``id`` and ``created`` (``meta_info.id`` for
+``/generate``) become the first worker's; ``/generate``'s cumulative ``text`` and
+``output_ids`` get the answer so far in front; chat's second ``role`` delta is dropped; usage
+(``/generate``'s ``meta_info`` too) counts the original prompt's tokens (when the first worker
+never said, the continuation's prompt tokens less the tokens so far) and all completion
+tokens.  One ``[DONE]`` ends the stream.  A failure after the last token (the limit reached,
+or a finish reason already sent) needs no worker: the router ends the stream itself.
+
+``--max-migrations`` counts continuations that streamed; one that fails before its first
+event is retried on another worker at once (up to ``--retry-max-retries`` attempts) without
+using a migration.  The continuation is not given kv_aware's DP-rank decoration, and a
+``--sticky-sessions`` session is not moved to the continuing worker.
+
+Not migrated (today's error event instead): several prompts or ``n > 1``, ``/generate`` with
+``return_logprob``, completions with ``echo`` or a token-id prompt, chat that already sets
+``continue_final_message``, and an answer that streamed tool calls or reasoning deltas.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import orjson
+
+from .http.client import UpstreamError
+
+if TYPE_CHECKING:
+    from .app import Router
+    from .http.server import Request
+    from .workers import Worker
+
+GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
+NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default sampling_params.max_new_tokens
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default max_tokens for /v1/completions
+DONE = b"data: [DONE]\n\n"
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+
+class WorkerFailed(UpstreamError):
+    """The worker failed inside a stream that still looked fine on the wire.
+
+    ``event``: the worker's own error event (bytes, ends with a blank line), or b'' (e.g. the
+    worker was removed).
+    """
+
+    def __init__(self, message: str, event: bytes = b"") -> None:
+        super().__init__(message)
+        self.event = event
+
+
+def split_events(buf: bytes) -> tuple[list[bytes], bytes]:
+    """SSE events complete in ``buf`` (each with its blank line) and the unfinished rest."""
+    out = []
+    pos = 0
+    for m in _EVENT_END.finditer(buf):
+        out.append(buf[pos:m.end()])
+        pos = m.end()
+    return out, buf[pos:]
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The ``data`` field of one event (its ``data:`` lines joined by newlines), None without one."""
+    parts = [line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(parts) if parts else None
+
+
+def _is_error(obj) -> bool:
+    return type(obj) is dict and "error" in obj and "choices" not in obj and "text" not in obj
+
+
+def _positive_int(v) -> bool:
+    return type(v) is int and v > 0
+
+
+def migratable(path: str, body: dict) -> bool:
+    """Whether a streamed answer to ``body`` on ``path`` can be continued elsewhere (see the module doc)."""
+    if path == GENERATE:
+        sp = body.get("sampling_params")
+        if sp is not None and (type(sp) is not dict or sp.get("n", 1) not in (1, None)):
+            return False
+        if body.get("return_logprob") is True:
+            return False
+        text, ids = body.get("text"), body.get("input_ids")
+        if type(text) is str and ids is None:
+            return True
+        return text is None and type(ids) is list and bool(ids) and all(type(t) is int for t in ids)
+    if body.get("n", 1) not in (1, None):
+        return False
+    if path == COMPLETIONS:
+        prompt = body.get("prompt")
+        if type(prompt) is list and len(prompt) == 1:
+            prompt = prompt[0]
+        return type(prompt) is str and body.get("echo") is not True
+    if path == CHAT:
+        msgs = body.get("messages")
+        return type(msgs) is list and bool(msgs) and body.get("continue_final_message") is not True
+    return False
+
+
+def start(router: Router, path: str, body: dict, route_text, headers: bytes) -> Migration | None:
+    """The tracker of one streamed request, or None when migration is off or the request can't migrate."""
+    limit = router.cfg.max_migrations
+    if limit <= 0 or not migratable(path, body):
+        return None
+    return Migration(router, path, body, route_text, headers, limit)
+
+
+def _fail(worker: Worker) -> None:
+    worker.failures += 1
+    worker.breaker.record_failure()
+
+
+class Migration:
+    """Follows one streamed answer as the client sees it, and continues it on another worker.
+
+    :meth:`feed` takes the worker's body bytes and gives back the complete events to send
+    (rewritten after a migration); :meth:`resume` does the migration after a failure.
+    """
+
+    def __init__(self, router: Router, path: str, body: dict, route_text, headers: bytes, limit: int) -> None:
+        self.router, self.path, self.body, self.route_text = router, path, body, route_text
+        self.headers, self.limit = headers, limit
+        self.migrations = 0
+        self.buf = b""
+        self.text = ""  # the answer's text so far
+        self.ids: list[int] | None = [] if path == GENERATE else None  # /generate's output ids so far
+        self.tokens = 0  # completion tokens so far
+        self.prompt_tokens: int | None = None  # the original prompt's, once a worker said
+        self.first_id = self.created = None
+        self.finish = None  # the finish reason sent to the client, if any
+        self.usage_sent = self.done = self.role_sent = False
+        self.usable = True  # False once tool calls or reasoning were streamed
+        so = body.get("stream_options")
+        self.want_usage = type(so) is dict and so.get("include_usage") is True
+        # the answer when the current worker took over (its events are relative to this)
+        self.rewriting = False
+        self.base_text = ""
+        self.base_ids: list[int] | None = None
+        self.base_tokens = 0
+
+    # ------------------------------------------------------------------ events
+    def feed(self, chunk: bytes) -> tuple[bytes, bytes | None]:
+        """(bytes to send to the client, the worker's error event or None) for one piece of body.
+
+        Only complete events are given back; an unfinished one waits in ``buf``.  Events after
+        an error event are dropped (the worker is done for).
+        """
+        events, self.buf = split_events(self.buf + chunk)
+        out = []
+        for ev in events:
+            data = event_data(ev)
+            if data is None:
+                out.append(ev)  # a comment or another field: passed as is
+                continue
+            if data.strip() == b"[DONE]":
+                if not self.done:
+                    self.done = True
+                    out.append(ev if not self.rewriting else DONE)
+                continue
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                out.append(ev)
+                continue
+            if _is_error(obj):
+                return b"".join(out), ev
+            if self.rewriting:
+                obj = self._rewrite(obj)
+                if obj is None:
+                    continue
+                ev = b"data: " + orjson.dumps(obj) + b"\n\n"
+            self._observe(obj)
+            out.append(ev)
+        return b"".join(out), None
+
+    def _observe(self, obj) -> None:
+        """Update the answer so far from one event as the client sees it."""
+        if type(obj) is not dict:
+            return
+        if self.path == GENERATE:
+            text = obj.get("text")
+            if type(text) is str:
+                self.text = text
+            ids = obj.get("output_ids")
+            self.ids = ids if type(ids) is list else None
+            meta = obj.get("meta_info")
+            if type(meta) is dict:
+                if self.first_id is None:
+                    self.first_id = meta.get("id")
+                if type(meta.get("prompt_tokens")) is int and self.prompt_tokens is None:
+                    self.prompt_tokens = meta["prompt_tokens"]
+                if type(meta.get("completion_tokens")) is int:
+                    self.tokens = meta["completion_tokens"]
+                if meta.get("finish_reason") is not None:
+                    self.finish = meta["finish_reason"]
+            return
+        if self.first_id is None:
+            self.first_id = obj.get("id")
+            self.created = obj.get("created")
+        choices = obj.get("choices")
+        for c in choices if type(choices) is list else ():
+            if type(c) is not dict or c.get("index", 0) != 0:
+                continue
+            if self.path == CHAT:
+                delta = c.get("delta")
+                if type(delta) is dict:
+                    if delta.get("role"):
+                        self.role_sent = True
+                    content = delta.get("content")
+                    if type(content) is str and content:
+                        self.text += content
+                        self.tokens += 1
+                    if delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning"):
+                        self.usable = False
+            else:
+                text = c.get("text")
+                if type(text) is str and text:
+                    self.text += text
+                    self.tokens += 1
+            if c.get("finish_reason") is not None:
+                self.finish = c["finish_reason"]
+        usage = obj.get("usage")
+        if type(usage) is dict:
+            if type(usage.get("completion_tokens")) is int:
+                self.tokens = usage["completion_tokens"]
+            if type(usage.get("prompt_tokens")) is int and self.prompt_tokens is None:
+                self.prompt_tokens = usage["prompt_tokens"]
+            if not choices:
+                self.usage_sent = True
+
+    def _usage(self, usage: dict) -> dict:
+        """A later worker's usage, made to cover the whole answer."""
+        out = dict(usage)
+        completion = (usage.get("completion_tokens") or 0) + self.base_tokens
+        prompt = self.prompt_tokens
+        if prompt is None:
+            prompt = max(0, (usage.get("prompt_tokens") or 0) - self.base_tokens)
+        out.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return out
+
+    def _rewrite(self, obj):
+        """A later worker's event as the client must see it, or None to drop it."""
+        if type(obj) is not dict:
+            return obj
+        if self.path == GENERATE:
+            if type(obj.get("text")) is str:
+                obj["text"] = self.base_text + obj["text"]
+            if self.base_ids is not None and type(obj.get("output_ids")) is list:
+                obj["output_ids"] = self.base_ids + obj["output_ids"]
+            meta = obj.get("meta_info")
+            if type(meta) is dict:
+                if self.first_id is not None:
+                    meta["id"] = self.first_id
+                if type(meta.get("completion_tokens")) is int:
+                    meta["completion_tokens"] += self.base_tokens
+                if self.prompt_tokens is not None:
+                    meta["prompt_tokens"] = self.prompt_tokens
+            return obj
+        if self.first_id is not None:
+            obj["id"] = self.first_id
+        if self.created is not None and "created" in obj:
+            obj["created"] = self.created
+        choices = obj.get("choices")
+        if self.path == CHAT and type(choices) is list:
+            for c in choices:
+                delta = c.get("delta") if type(c) is dict else None
+                if type(delta) is dict and self.role_sent:
+                    delta.pop("role", None)
+                    if delta.get("content") == "":
+                        del delta["content"]
+            keep = [c for c in choices if type(c) is not dict or c.get("delta") or c.get("finish_reason") is not None
+                    or c.get("logprobs")]
+            if choices and not keep and not obj.get("usage"):
+                return None  # the new worker's opening role chunk: the client has had one
+        usage = obj.get("usage")
+        if type(usage) is dict:
+            obj["usage"] = self._usage(usage)
+        return obj
+
+    # ------------------------------------------------------------------ continuing
+    def _limit(self) -> tuple[str | None, int | None]:
+        """(the body key of the token limit, its value) -- sampling_params' for /generate."""
+        b = self.body
+        if self.path == GENERATE:
+            sp = b.get("sampling_params") or {}
+            return "max_new_tokens", sp.get("max_new_tokens", NATIVE_DEFAULT_MAX_NEW_TOKENS)
+        if self.path == COMPLETIONS:
+            v = b.get("max_tokens")
+            return "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS if v is None else v
+        if b.get("max_completion_tokens") is not None:
+            return "max_completion_tokens", b["max_completion_tokens"]
+        return "max_tokens", b.get("max_tokens")
+
+    def plan(self) -> tuple[str, bytes] | None:
+        """What to do after a failure: ``("end", bytes)`` (the answer is complete; these bytes end
+        the stream), ``("body", bytes)`` (the continuation request), or None (it can't go on)."""
+        if not self.usable:
+            return None
+        key, limit = self._limit()
+        if self.finish is not None or (type(limit) is int and limit - self.tokens <= 0):
+            return "end", self._ending()
+        new = dict(self.body)
+        if type(limit) is int:
+            if self.path == GENERATE:
+                new["sampling_params"] = {**(self.body.get("sampling_params") or {}), key: limit - self.tokens}
+            else:
+                new[key] = limit - self.tokens
+        if self.tokens or self.text:
+            if self.path == GENERATE:
+                if "input_ids" in self.body:
+                    if self.ids is None:
+                        return None  # the worker did not say which ids it produced
+                    new["input_ids"] = self.body["input_ids"] + self.ids
+                else:
+                    new["text"] = self.body["text"] + self.text
+            elif self.path == COMPLETIONS:
+                prompt = self.body["prompt"]
+                new["prompt"] = (prompt[0] if type(prompt) is list else prompt) + self.text
+            else:
+                new["messages"] = [*self.body["messages"], {"role": "assistant", "content": self.text}]
+                new["continue_final_message"] = True
+                new["add_generation_prompt"] = False
+        return "body", orjson.dumps(new)
+
+    def _ending(self) -> bytes:
+        """The end of a complete answer the worker failed to end: a finish, usage, ``[DONE]``."""
+        if self.done:
+            return b""  # the worker failed after its [DONE]: the client has the whole answer
+        out = []
+        if self.finish is None:
+            if self.path == GENERATE:
+                meta = {"id": self.first_id, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+                        "finish_reason": {"type": "length", "length": self.tokens}}
+                ev = {"text": self.text, "output_ids": self.ids or [], "meta_info": meta}
+            elif self.path == CHAT:
+                ev = {"id": self.first_id, "object": "chat.completion.chunk", "created": self.created,
+                      "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+            else:
+                ev = {"id": self.first_id, "object": "text_completion", "created": self.created,
+                      "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+            out.append(b"data: " + orjson.dumps(ev) + b"\n\n")
+        if self.path != GENERATE and self.want_usage and not self.usage_sent and self.prompt_tokens is not None:
+            p, c = self.prompt_tokens, self.tokens
+            ev = {"id": self.first_id, "object": "chat.completion.chunk" if self.path == CHAT else "text_completion",
+                  "created": self.created, "choices": [],
+                  "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+            out.append(b"data: " + orjson.dumps(ev) + b"\n\n")
+        if not self.done:
+            out.append(DONE)
+        return b"".join(out)
+
+    async def resume(self, request: Request, failed: Worker) -> bool:
+        """Continue the answer after ``failed`` failed mid-stream; True when the stream was completed.
+
+        Tries other available workers (the policy chooses, as for a retry) until one finishes the
+        answer or ``--max-migrations`` continuations have started streaming.  A continuation that
+        fails before its first event (refused, an error status) is retried on another worker not
+        tried yet, up to ``--retry-max-retries`` attempts per migration, without counting as one.
+        False: the caller ends the stream with an error event.  Raises ConnectionResetError when
+        the client went away.
+        """
+        router = self.router
+        tried = [failed]
+        self.buf = b""  # an unfinished event of the failed worker is dropped, never sent
+        attempts = 0
+        while True:
+            plan = self.plan()
+            if plan is None:
+                return False
+            kind, data = plan
+            if kind == "end":
+                await request.write(data)
+                return True
+            if self.migrations >= self.limit or attempts >= router.max_attempts:
+                return False
+            workers = [w for w in router.registry.available() if w not in tried]
+            worker = router.policy.select(workers, self.route_text, retry=True) if workers else None
+            if worker is None:
+                return False
+            tried.append(worker)
+            self.rewriting = True
+            self.base_text, self.base_tokens = self.text, self.tokens
+            self.base_ids = list(self.ids) if self.ids is not None else None
+            outcome = await self._continue_on(request, worker, data)
+            if outcome == "done":
+                return True
+            self.buf = b""
+            if outcome == "failed_before":
+                attempts += 1
+            else:  # it streamed, then failed: one migration used, the next one starts afresh
+                attempts = 0
+
+    async def _continue_on(self, request: Request, worker: Worker, body: bytes) -> str:
+        """Stream ``worker``'s answer to the continuation into the client's stream.
+
+        Returns ``"done"`` (the answer ended well), ``"failed_before"`` (it failed before its first
+        event) or ``"failed"`` (after; counted in ``migrations``).
+        """
+        router = self.router
+        worker.load += 1
+        worker.requests += 1
+        resp = None
+        started = False
+        try:
+            try:
+                resp = await router.pool.post(worker.url, self.path, body, self.headers)
+                if resp.status != 200 or resp.content_type != "text/event-stream":
+                    await resp.read()
+                    if resp.status >= 500 and resp.status != 503:
+                        _fail(worker)
+                    return "failed_before"
+                while True:
+                    chunk = await resp.next_chunk()
+                    if not chunk:
+                        break
+                    if not started:
+                        started = True
+                        self.migrations += 1
+                        router.stats.migrations += 1
+                    out, err = self.feed(chunk)
+                    if out:
+                        await request.write(out)
+                    if err is not None or worker.removed:
+                        _fail(worker)
+                        return "failed"
+            except UpstreamError:
+                _fail(worker)
+                return "failed" if started else "failed_before"
+            if self.buf:
+                await request.write(self.buf)
+                self.buf = b""
+            worker.breaker.record_success()
+            return "done"
+        finally:
+            worker.load -= 1
+            if resp is not None:
+                resp.release()

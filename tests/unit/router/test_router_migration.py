@@ -1,0 +1,390 @@
+"""Request migration over real HTTP: a worker dies mid-stream, the router continues on another.
+
+The workers are :class:`helpers.script_worker.ScriptWorker`: they stream a scripted answer
+one token per event, continue it from any prefix a continuation request carries (400 for a
+prefix that is not the script's), and die after ``k`` events on command.  The client's text
+must be exactly the script, in one stream with one id, one finish reason and one ``[DONE]``.
+"""
+
+import asyncio
+import json
+import re
+
+import aiohttp
+import pytest
+
+from helpers.script_worker import ID0, PROMPT, PROMPT_IDS, PROMPT_TOKENS, ScriptWorker
+
+
+def events(raw: bytes) -> list[str]:
+    """The data of every SSE event, in order."""
+    return [line[6:] for block in raw.decode().split("\n\n") for line in block.split("\n")
+            if line.startswith("data: ")]
+
+
+async def settled(s: aiohttp.ClientSession, r) -> None:
+    """Every worker's in-flight gauge (from /metrics) back to 0 and nothing being handled."""
+    loads = {}
+    for _ in range(100):
+        async with s.get(r.url + "/metrics") as resp:
+            text = await resp.text()
+        loads = dict(re.findall(r'fleetserve_router_inflight_requests\{worker="([^"]+)"\} (\S+)', text))
+        if r.router.handling == 0 and loads and all(float(v) == 0 for v in loads.values()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"in flight did not return to 0: {loads}, handling={r.router.handling}")
+
+SCRIPT = ["Once", " upon", " a", " time", ",", " a", " tiny", " model", " 你好", " ended", "."]
+FULL = "".join(SCRIPT)
+
+# name -> (path, body)
+KINDS = {
+    "generate_text": ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 50, "temperature": 0.7}}),
+    "generate_ids": ("/generate", {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": 50,
+                                                                                  "temperature": 0.7}}),
+    "completions": ("/v1/completions", {"model": "m", "prompt": PROMPT, "max_tokens": 50, "temperature": 0.7,
+                                        "stream_options": {"include_usage": True}}),
+    "chat": ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": PROMPT}],
+                                      "max_tokens": 50, "temperature": 0.7,
+                                      "stream_options": {"include_usage": True}}),
+}
+DIE_AFTER_TOKENS = 3
+
+
+def router_cfg(urls, **kw):
+    cfg = dict(worker_urls=urls, policy="round_robin", request_timeout_secs=1.0, retry_initial_backoff_ms=1,
+               retry_max_backoff_ms=5, retry_max_retries=3, health_check_interval_secs=3600)
+    cfg.update(kw)
+    return cfg
+
+
+def die_after_events(kind: str, tokens: int) -> int:
+    return tokens + (1 if kind == "chat" else 0)  # chat opens with a role chunk
+
+
+def read_answer(kind: str, raw: bytes) -> dict:
+    """What the client got: text, ids, finish reasons, usage chunks, [DONE] count, error events."""
+    evs = events(raw)
+    out = {"text": "", "ids": set(), "created": set(), "finish": [], "usage": [], "done": evs.count("[DONE]"),
+           "errors": [], "last_is_done": bool(evs) and evs[-1] == "[DONE]", "roles": 0, "output_ids": None}
+    for e in evs:
+        if e == "[DONE]":
+            continue
+        obj = json.loads(e)
+        if "error" in obj:
+            out["errors"].append(obj["error"])
+            continue
+        if kind.startswith("generate"):
+            out["text"] = obj["text"]  # cumulative
+            out["output_ids"] = obj["output_ids"]
+            meta = obj["meta_info"]
+            out["ids"].add(meta["id"])
+            if meta["finish_reason"] is not None:
+                out["finish"].append(meta["finish_reason"]["type"])
+            out["usage"] = [(meta["prompt_tokens"], meta["completion_tokens"])]
+            continue
+        out["ids"].add(obj["id"])
+        out["created"].add(obj["created"])
+        for c in obj["choices"]:
+            if kind == "chat":
+                out["text"] += c["delta"].get("content", "")
+                out["roles"] += "role" in c["delta"]
+            else:
+                out["text"] += c["text"]
+            if c["finish_reason"] is not None:
+                out["finish"].append(c["finish_reason"])
+        if obj.get("usage"):
+            u = obj["usage"]
+            out["usage"].append((u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]))
+    return out
+
+
+async def post(s, url, path, body):
+    async with s.post(url + path, json={**body, "stream": True}) as resp:
+        return resp.status, await resp.read()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["reset", "close", "error", "stall"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_stream_survives_a_dying_worker(kind, how, InProcessRouter):
+    path, body = KINDS[kind]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT).start()
+        b = await ScriptWorker("b", SCRIPT).start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
+                r.router.policy._next = 0  # a first
+                a.die(after=die_after_events(kind, DIE_AFTER_TOKENS), how=how)
+                status, raw = await post(s, r.url, path, body)
+                assert status == 200, raw
+                got = read_answer(kind, raw)
+                assert got["errors"] == [] and got["text"] == FULL, (got, raw.decode())
+                assert got["done"] == 1 and got["last_is_done"], raw.decode()
+                assert got["finish"] == ["stop"], got
+                assert got["ids"] == {"a-1"}, got  # every chunk carries the first worker's id
+                if kind.startswith("generate"):
+                    assert got["output_ids"] == [ID0 + j for j in range(len(SCRIPT))]
+                    assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT))]
+                else:
+                    assert got["created"] == {1700000001}, got
+                    assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT), PROMPT_TOKENS + len(SCRIPT))], got
+                if kind == "chat":
+                    assert got["roles"] == 1
+                # what the second worker was asked
+                assert [p for p, _ in b.bodies] == [path]
+                cont = b.bodies[0][1]
+                prefix = "".join(SCRIPT[:DIE_AFTER_TOKENS])
+                if kind == "generate_ids":
+                    assert cont["input_ids"] == PROMPT_IDS + [ID0 + j for j in range(DIE_AFTER_TOKENS)]
+                elif kind == "generate_text":
+                    assert cont["text"] == PROMPT + prefix
+                elif kind == "completions":
+                    assert cont["prompt"] == PROMPT + prefix
+                else:
+                    assert cont["messages"] == body["messages"] + [{"role": "assistant", "content": prefix}]
+                    assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
+                if kind.startswith("generate"):
+                    assert cont["sampling_params"] == {"max_new_tokens": 50 - DIE_AFTER_TOKENS, "temperature": 0.7}
+                else:
+                    assert cont["max_tokens"] == 50 - DIE_AFTER_TOKENS and cont["temperature"] == 0.7
+                assert cont["stream"] is True
+                assert r.router.stats.migrations == 1
+                await settled(s, r)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["generate_text", "chat"])
+def test_max_migrations_zero_gives_the_error_event(kind, InProcessRouter):
+    path, body = KINDS[kind]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT).start()
+        b = await ScriptWorker("b", SCRIPT).start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url],
+                                                                                  max_migrations=0)) as r:
+                r.router.policy._next = 0
+                a.die(after=die_after_events(kind, DIE_AFTER_TOKENS))
+                status, raw = await post(s, r.url, path, body)
+                got = read_answer(kind, raw)
+                assert status == 200 and got["done"] == 0
+                assert got["text"] == "".join(SCRIPT[:DIE_AFTER_TOKENS])
+                assert [e["code"] for e in got["errors"]] == ["upstream_error"], got
+                assert b.bodies == [] and r.router.stats.migrations == 0
+                await settled(s, r)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["generate_ids", "completions", "chat"])
+def test_both_workers_dying_ends_with_an_error_event(kind, InProcessRouter):
+    path, body = KINDS[kind]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT).start()
+        b = await ScriptWorker("b", SCRIPT).start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
+                r.router.policy._next = 0
+                a.die(after=die_after_events(kind, DIE_AFTER_TOKENS))
+                b.die(after=die_after_events(kind, 2))  # two more tokens, then b dies too
+                status, raw = await post(s, r.url, path, body)
+                got = read_answer(kind, raw)
+                assert status == 200 and got["done"] == 0, raw.decode()
+                # no text lost or repeated up to the second failure
+                assert got["text"] == "".join(SCRIPT[:DIE_AFTER_TOKENS + 2]), got
+                assert len(got["errors"]) == 1 and got["errors"][0]["code"] == "upstream_error"
+                assert len(got["ids"]) == 1 and r.router.stats.migrations == 1
+                await settled(s, r)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.timeout(60)
+def test_two_migrations_over_three_workers(InProcessRouter):
+    path, body = KINDS["chat"]
+
+    async def main():
+        ws = [await ScriptWorker(n, SCRIPT).start() for n in "abc"]
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([w.url for w in ws],
+                                                                                  max_migrations=2)) as r:
+                r.router.policy._next = 0
+                # round robin on a retry: a's continuation goes to c (turn 1 of [b, c]), c's to b
+                ws[0].die(after=die_after_events("chat", 3))
+                ws[2].die(after=die_after_events("chat", 4))
+                status, raw = await post(s, r.url, path, body)
+                got = read_answer("chat", raw)
+                assert got["text"] == FULL and got["done"] == 1 and got["errors"] == [], raw.decode()
+                assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT), PROMPT_TOKENS + len(SCRIPT))]
+                assert ws[2].bodies[0][1]["messages"][-1]["content"] == "".join(SCRIPT[:3])
+                assert ws[1].bodies[0][1]["messages"][-1]["content"] == "".join(SCRIPT[:7])
+                assert ws[1].bodies[0][1]["max_tokens"] == 50 - 7
+                assert r.router.stats.migrations == 2 and len(got["ids"]) == 1
+                await settled(s, r)
+        finally:
+            for w in ws:
+                await w.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["generate_ids", "completions", "chat"])
+def test_failure_after_the_last_token_is_ended_by_the_router(kind, InProcessRouter):
+    """The limit was reached (5 tokens) before the worker could send its finish: nothing to continue."""
+    path, body = KINDS[kind]
+    body = dict(body)
+    if kind.startswith("generate"):
+        body["sampling_params"] = {"max_new_tokens": 5}
+    else:
+        body["max_tokens"] = 5
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT).start()
+        b = await ScriptWorker("b", SCRIPT).start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
+                r.router.policy._next = 0
+                # generate / completions carry the finish in the 5th token's event: die before it
+                a.die(after=die_after_events(kind, 5 if kind == "chat" else 4))
+                status, raw = await post(s, r.url, path, body)
+                got = read_answer(kind, raw)
+                if kind == "chat":  # all 5 tokens arrived; the router ends the stream itself
+                    assert got["text"] == "".join(SCRIPT[:5]) and got["finish"] == ["length"], got
+                    assert b.bodies == [] and got["done"] == 1
+                    assert got["usage"] == [], got  # prompt tokens never reported: no made-up usage
+                else:  # one token left: b is asked for exactly one
+                    assert got["text"] == "".join(SCRIPT[:5]) and got["finish"] == ["length"], got
+                    cont = b.bodies[0][1]
+                    limit = cont["sampling_params"]["max_new_tokens"] if kind.startswith("gen") else cont["max_tokens"]
+                    assert limit == 1 and got["done"] == 1
+                await settled(s, r)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.timeout(60)
+def test_removed_worker_hands_its_stream_over(InProcessRouter):
+    path, body = KINDS["completions"]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT, delay_s=0.1).start()
+        b = await ScriptWorker("b", SCRIPT).start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url],
+                                                                                  request_timeout_secs=10)) as r:
+                r.router.policy._next = 0
+                task = asyncio.ensure_future(post(s, r.url, path, body))
+                while a.sent_events < 3:
+                    await asyncio.sleep(0.01)
+                async with s.post(r.url + "/remove_worker", params={"url": a.url}) as resp:
+                    assert resp.status == 200, await resp.text()
+                status, raw = await task
+                got = read_answer("completions", raw)
+                assert got["text"] == FULL and got["done"] == 1 and got["errors"] == [], raw.decode()
+                assert 3 <= a.sent_events < len(SCRIPT) and len(b.bodies) == 1
+                assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT), PROMPT_TOKENS + len(SCRIPT))]
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.timeout(60)
+def test_batch_requests_are_not_migrated(InProcessRouter):
+    """n > 1 cannot be continued as one answer: today's error event."""
+    path, body = KINDS["completions"]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT).start()
+        b = await ScriptWorker("b", SCRIPT).start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
+                r.router.policy._next = 0
+                a.die(after=2)
+                status, raw = await post(s, r.url, path, {**body, "n": 2})
+                got = read_answer("completions", raw)
+                assert got["done"] == 0 and len(got["errors"]) == 1 and b.bodies == []
+                await settled(s, r)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_max_migrations_flag(capsys):
+    from fleetserve.router.config import parse_args
+
+    assert parse_args([]).max_migrations == 1
+    assert parse_args(["--migration-limit", "3"]).max_migrations == 3  # Dynamo's name
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--max-migrations", "-1"])
+    assert e.value.code == 2
+    assert "--max-migrations must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_failure_after_done_needs_no_worker(InProcessRouter):
+    path, body = KINDS["chat"]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT).start()
+        b = await ScriptWorker("b", SCRIPT).start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
+                r.router.policy._next = 0
+                a.die(after=1000)  # [DONE], then a reset before the body's last chunk
+                status, raw = await post(s, r.url, path, body)
+                got = read_answer("chat", raw)
+                assert got["text"] == FULL and got["done"] == 1 and got["last_is_done"], raw.decode()
+                assert got["errors"] == [] and len(got["usage"]) == 1 and b.bodies == []
+                assert r.router.stats.migrations == 0
+                await settled(s, r)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_continuation_is_retried_without_counting(InProcessRouter):
+    path, body = KINDS["generate_ids"]
+
+    async def main():
+        ws = [await ScriptWorker(n, SCRIPT).start() for n in "abc"]
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([w.url for w in ws])) as r:
+                r.router.policy._next = 0
+                ws[0].die(after=DIE_AFTER_TOKENS)
+                await ws[2].close()  # the policy's first choice for the continuation (turn 1 of [b, c]) is gone
+                status, raw = await post(s, r.url, path, body)
+                got = read_answer("generate_ids", raw)
+                assert got["text"] == FULL and got["done"] == 1 and got["errors"] == [], raw.decode()
+                assert len(ws[1].bodies) == 1 and r.router.stats.migrations == 1
+                await settled(s, r)
+        finally:
+            for w in ws[:2]:
+                await w.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
