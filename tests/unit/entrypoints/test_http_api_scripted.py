@@ -239,6 +239,35 @@ def test_chat_streaming_matches_and_includes_usage(client):
     assert whole.usage.prompt_tokens == len("system: be brief\nuser: hi\nassistant: ")
 
 
+def test_continuous_usage_stats_every_chunk_carries_usage_so_far(client):
+    """vLLM's ``continuous_usage_stats`` (issue 15): with ``include_usage``, each chunk has the usage so far."""
+    msgs = [{"role": "user", "content": "hi"}]
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, stream=True,
+                                                 stream_options=opts))
+    prompt = len("user: hi\nassistant: ")
+    body = [c for c in chunks if c.choices]
+    assert all(c.usage is not None and c.usage.prompt_tokens == prompt for c in body)
+    assert body[0].usage.completion_tokens == 0  # the role chunk, before any token
+    seen = [c.usage.completion_tokens for c in body]
+    assert seen == sorted(seen) and seen[-1] == 16
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in body)
+    # the text so far has exactly as many bytes as the tokens counted so far (one byte per token)
+    text = ""
+    for c in body:
+        text += c.choices[0].delta.content or ""
+        if "\ufffd" not in text and c.choices[0].finish_reason is None:
+            assert len(text.encode()) <= c.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    comp = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=5, stream=True, stream_options=opts))
+    assert [c.usage.completion_tokens for c in comp if c.choices] == [1, 2, 3, 4, 5]
+    assert all(c.usage.prompt_tokens == 3 for c in comp)
+    # without include_usage it has no effect (vLLM: both are needed)
+    plain = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=3, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+
+
 def test_n3_every_chunk_has_its_index(client):
     r = client.completions.create(model=MODEL, prompt="q", max_tokens=5, n=3)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]

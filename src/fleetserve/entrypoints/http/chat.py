@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from fleetserve.entrypoints.http.body import read_request
 from fleetserve.entrypoints.http.state import server_state
 from fleetserve.entrypoints.http.streaming import Collected, Merged, respond, submit_all
-from fleetserve.entrypoints.http.usage import stream_usage, usage_of
+from fleetserve.entrypoints.http.usage import continuous_usage, stream_usage, usage_of, usage_so_far
 from fleetserve.entrypoints.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -53,7 +53,7 @@ async def create_chat_completion(request: Request) -> Response:
         sp = forced_sampling(sp, forced)
     streams = submit_all(state, [ids], [sp], return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
                          routed_dp_rank=routed)
-    answer = ChatAnswer(tm, state.model_name, req, random_id("chatcmpl"), parse_tools)
+    answer = ChatAnswer(tm, state.model_name, req, random_id("chatcmpl"), parse_tools, prompt_len=len(ids))
     return await respond(request, streams, stream=bool(req.stream), build=answer.build, chunks=answer.chunks)
 
 
@@ -98,7 +98,9 @@ class ChatAnswer:
     req: ChatCompletionRequest
     rid: str
     parse_tools: bool = False
+    prompt_len: int = 0  # prompt tokens, for continuous usage stats
     streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    done_tokens: dict[int, int] = field(default_factory=dict)  # choice -> completion tokens so far
 
     def logprobs(self, outs: list[TokenOutput]) -> ChatLogprobs | None:
         return chat_logprobs(self.tm, outs, self.req.top_logprobs or 0) if self.req.logprobs else None
@@ -126,6 +128,8 @@ class ChatAnswer:
                                       usage=usage_of([prompt], [cached], completion))
 
     def chunk(self, created: int, choices: list[ChatChunkChoice], **extra) -> ChatCompletionChunk:
+        if choices and "usage" not in extra and continuous_usage(self.req.stream_options):
+            extra["usage"] = usage_so_far(self.prompt_len, self.done_tokens.get(choices[0].index, 0))
         return ChatCompletionChunk(id=self.rid, created=created, model=self.model_name, choices=choices, **extra)
 
     async def chunks(self, merged: Merged) -> AsyncIterator[ChatCompletionChunk]:
@@ -135,6 +139,7 @@ class ChatAnswer:
             yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         async for i, out in merged:
             last[i] = out
+            self.done_tokens[i] = out.completion_tokens
             lp = self.logprobs([out])
             text = self.streams.setdefault(i, ToolCallStream()).feed(out.text) if self.parse_tools else out.text
             if text or (lp and lp.content):
