@@ -444,3 +444,37 @@ def test_no_scheduler_connected_is_503_not_a_hang():
     finally:
         box["server"].should_exit = True
         t.join(10)
+
+
+def test_abort_request_ends_its_streaming_and_waiting_clients_at_once():
+    """Issue 15: ``/abort_request`` gives the aborted request's own clients a finished answer at once
+    (SGLang: ``meta_info.finish_reason.type == "abort"``), streaming and not."""
+    slow = Server(delay=0.3)  # the whole script would take > 10 s
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{slow.port}", timeout=20,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as h:
+            body = {"text": "x", "rid": "ab-stream", "stream": True, "sampling_params": {"max_new_tokens": 100}}
+            t0 = time.monotonic()
+            with h.stream("POST", "/generate", json=body) as r:
+                lines = r.iter_lines()
+                first = next(x for x in lines if x.startswith("data: {"))
+                assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+                assert h.post("/abort_request", json={"rid": "ab-stream"}).json() == {
+                    "success": True, "aborted": ["ab-stream"]}
+                events = [x for x in lines if x.startswith("data: ")]
+            assert time.monotonic() - t0 < 5
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["meta_info"]["finish_reason"]["type"] == "abort"
+            done: list = []
+            waiter = threading.Thread(target=lambda: done.append(h.post("/generate", json={
+                "text": "x", "rid": "ab-wait", "sampling_params": {"max_new_tokens": 100}})))
+            waiter.start()
+            deadline = time.monotonic() + 5
+            while "ab-wait" not in slow.tm.streams and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert h.post("/abort_request", json={"rid": "ab-wait"}).json()["aborted"] == ["ab-wait"]
+            waiter.join(5)
+            assert done and done[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
+            assert not slow.tm.streams
+    finally:
+        slow.close()
