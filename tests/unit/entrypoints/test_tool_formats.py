@@ -11,7 +11,11 @@ from fleetserve.engine.grammar.spec import GrammarKey, to_library_grammar
 from fleetserve.entrypoints.tool_parser import forced_call_grammar
 from fleetserve.entrypoints.tool_parsers import TOOL_CALL_PARSERS, get_format, parse_tool_calls
 
-from test_tool_parser import TIME, WEATHER, accumulate, stream
+from helpers.tool_streams import accumulate, stream
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

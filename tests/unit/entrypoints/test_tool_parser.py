@@ -9,6 +9,7 @@ from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.tool_checks import check_tools
 from fleetserve.entrypoints.tool_parser import ToolPlan, forced_call_grammar, plan_tools
 from fleetserve.entrypoints.tool_parsers import ToolCallStream, get_format, parse_tool_calls
+from helpers.tool_streams import accumulate, stream
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -44,31 +45,6 @@ def test_plain_text_and_broken_json_stay_text():
     # keys in another order: read whole
     other = parse_tool_calls(QWEN, '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>')
     assert fn(other[1]) == [("function", "f", {"a": 1})]
-
-
-def stream(fmt, text, step, max_calls=None):
-    """Feed ``text`` in ``step``-character pieces: (content, deltas)."""
-    s = ToolCallStream(fmt, max_calls)
-    content, deltas = "", []
-    for i in range(0, len(text), step):
-        c, d = s.feed(text[i:i + step])
-        content, deltas = content + c, deltas + d
-    c, d = s.finish()
-    return content + c, deltas
-
-
-def accumulate(deltas):
-    """Tool calls from OpenAI-style deltas, as a client adds them up: {index: (id, name, arguments)}."""
-    calls = {}
-    for d in deltas:
-        cur = calls.setdefault(d["index"], [None, None, ""])
-        if "id" in d:
-            assert cur[0] is None and d["type"] == "function" and d["function"]["arguments"] == ""
-            cur[0], cur[1] = d["id"], d["function"]["name"]
-        else:
-            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
-        cur[2] += d["function"]["arguments"]
-    return [tuple(calls[k]) for k in sorted(calls)]
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, 11, 1000])
