@@ -345,3 +345,29 @@ def test_tool_choice_none_is_plain_text(client, model):
     r = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER], tool_choice="none",
                                        max_tokens=10, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("parser", ["deepseekv3", "llama3", "qwen25"])
+def test_each_formats_forcing_grammar_yields_text_its_parser_reads(http, parser):
+    """The grammar a ``required`` choice uses under ``--tool-call-parser <parser>`` makes SmolLM2 write
+    a call in that format; the format's parser reads it back, whole and streamed, schema-valid."""
+    from helpers.tool_streams import accumulate, stream
+
+    from fleetserve.entrypoints.tool_parser import forced_call_grammar
+    from fleetserve.entrypoints.tool_parsers import get_format, parse_tool_calls
+
+    grammar = forced_call_grammar([WEATHER, TIME], None, parser, parallel=False)
+    r = http.post("/generate", json={"text": "What's the weather in Paris for the next 3 days? Call a tool.",
+                                     "sampling_params": {"ebnf": grammar, "max_new_tokens": 100, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    assert r.json()["meta_info"]["finish_reason"]["type"] == "stop", text
+    fmt = get_format(parser)
+    content, calls = parse_tool_calls(fmt, text)
+    assert content is None and len(calls) == 1, text
+    call = calls[0]["function"]
+    validate(json.loads(call["arguments"]), {"get_weather": WEATHER, "get_time": TIME}[call["name"]]["function"]
+             ["parameters"])
+    streamed_content, deltas = stream(fmt, text, 2)
+    assert not streamed_content.strip()
+    assert [(n, a) for _, n, a in accumulate(deltas)] == [(call["name"], call["arguments"])]
