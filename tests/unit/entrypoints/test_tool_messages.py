@@ -48,3 +48,25 @@ def test_tool_aware_template_gets_calls_with_object_arguments():
     messages, tools = template_messages(MESSAGES, TOOLS, template)
     assert tools == TOOLS and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[2]["content"] == "sunny, 21 C"
+
+
+@pytest.mark.parametrize("bad, param", [
+    ({"role": "tool", "content": "x"}, "messages.1.tool_call_id"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}, "messages.1.tool_calls.0.id"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "code", "function": {
+        "name": "f", "arguments": "{}"}}]}, "messages.1.tool_calls.0.type"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": {"a": 1}}}]}, "messages.1.tool_calls.0.function.arguments"),
+    ({"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}, "messages.1.tool_calls"),
+])
+def test_malformed_tool_messages_are_400_naming_the_field(bad, param):
+    from fleetserve.entrypoints.errors import APIError
+    from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest
+    from fleetserve.entrypoints.validation import check_chat_request
+
+    with pytest.raises(APIError) as e:
+        check_chat_request(ChatCompletionRequest(messages=[MESSAGES[0], bad]))
+    assert (e.value.status, e.value.param) == (400, param)
+    check_chat_request(ChatCompletionRequest(messages=MESSAGES, tools=TOOLS))  # the good ones pass
