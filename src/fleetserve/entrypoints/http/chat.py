@@ -1,5 +1,6 @@
 """``POST /v1/chat/completions``: the model's chat template over text messages; logprobs; SSE;
-tool calls parsed from the output (:mod:`fleetserve.entrypoints.tool_parser`)."""
+tools: calls parsed from the output in the --tool-call-parser format, streamed as argument
+deltas (:mod:`fleetserve.entrypoints.tool_parser`, :mod:`fleetserve.entrypoints.tool_parsers`)."""
 
 from __future__ import annotations
 
