@@ -28,6 +28,8 @@ from fleetserve.engine.kv_events.config import offset_endpoint, parse_kv_events_
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# --tool-call-parser names (fleetserve.entrypoints.tool_parsers keeps the formats; a test keeps both equal)
+TOOL_CALL_PARSER_NAMES = ("qwen25", "qwen", "hermes", "deepseekv3", "deepseek_v3", "llama3", "llama3_json")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -49,8 +51,9 @@ class ServerArgs:
     HTTP:
         host, port: where the OpenAI-compatible server listens (SGLang default port 30000).
         api_key: when set, requests must send ``Authorization: Bearer <api_key>``.
-        tool_call_parser: ``qwen25`` / ``qwen`` / ``hermes`` (JSON in ``<tool_call>`` tags) turns chat
-            output into OpenAI ``tool_calls`` (:mod:`fleetserve.entrypoints.tool_parser`); None: text only.
+        tool_call_parser: ``qwen25`` / ``qwen`` / ``hermes`` (JSON in ``<tool_call>`` tags), ``deepseekv3`` /
+            ``deepseek_v3``, ``llama3`` / ``llama3_json`` turns chat
+            output into OpenAI ``tool_calls`` (:mod:`fleetserve.entrypoints.tool_parsers`); None: text only.
 
     Memory and scheduling:
         max_total_tokens: KV pool size in tokens (overrides ``mem_fraction_static``).
@@ -235,8 +238,9 @@ class ServerArgs:
         g.add_argument("--port", type=int, default=default("port"))
         g.add_argument("--api-key", default=default("api_key"))
         g.add_argument("--tool-call-parser", default=default("tool_call_parser"),
-                       choices=("qwen25", "qwen", "hermes"),
-                       help="turn <tool_call>{...}</tool_call> in chat output into tool_calls (SGLang / vLLM flag)")
+                       choices=TOOL_CALL_PARSER_NAMES,
+                       help="turn the model's tool calls in chat output into tool_calls: qwen25 (<tool_call> JSON), "
+                            "deepseekv3, llama3 (SGLang names; vLLM's hermes, qwen, deepseek_v3, llama3_json)")
 
         g = parser.add_argument_group("memory and scheduling")
         g.add_argument("--max-total-tokens", type=int, default=default("max_total_tokens"),

@@ -124,10 +124,12 @@ class SamplingParams:
                 bad(f"{name} must be in [-2, 2], got {v!r}", name)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a string or a list of non-empty strings", "stop")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids
-        ):
-            bad(f"stop_token_ids must be integers in [0, {vocab_size})", "stop_token_ids")
+        if not isinstance(self.stop_token_ids, list):
+            bad(f"stop_token_ids must be a list of integers in [0, {vocab_size})", "stop_token_ids")
+        for i, t in enumerate(self.stop_token_ids):
+            if not is_int(t) or not 0 <= t < vocab_size:
+                bad(f"stop_token_ids[{i}] = {t!r} is not a token id: ids must be integers in [0, {vocab_size})",
+                    "stop_token_ids")
         if not is_int(self.n) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}", "n")
         if self.json_schema is not None or self.regex is not None or self.ebnf is not None:

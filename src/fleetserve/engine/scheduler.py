@@ -133,7 +133,8 @@ class Scheduler:
             problem = (f"the prompt has {len(req.origin_input_ids)} tokens; the limit is {req.max_len - 1} "
                        f"(context length {self.max_context_len}, KV pool {self.pool_size} tokens)")
         elif any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
-            problem = f"prompt token ids must be in [0, {self.vocab_size})"
+            bad = next(t for t in req.origin_input_ids if t < 0 or t >= self.vocab_size)
+            problem = f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
         if problem is not None:
             req.finish_reason = {"type": "abort", "message": problem}
             return [self._make_output(req)]

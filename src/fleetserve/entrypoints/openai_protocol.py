@@ -131,6 +131,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: bool = True  # OpenAI's default: the model may make several calls
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None

@@ -3,10 +3,10 @@
 The shapes are OpenAI's: a tool is ``{"type": "function", "function": {"name",
 "description"?, "parameters"? (a JSON schema object), "strict"?}}``;
 ``tool_choice`` is ``"none"``, ``"auto"``, ``"required"`` or
-``{"type": "function", "function": {"name": ...}}``. Tool calls are not yet
-parsed from the model's text: these checks refuse what could never work (a
-choice that needs a tool when there is none, an unknown named function,
-malformed definitions) with a 400 naming the field, as OpenAI does.
+``{"type": "function", "function": {"name": ...}}``. These checks refuse what
+could never work (a choice that needs a tool when there is none, an unknown
+named function, malformed definitions, tool messages without their call id)
+with a 400 naming the field, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -61,3 +61,29 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
                        "tool_choice")
     if name not in names:
         raise APIError(f"tool_choice names function {name!r}, which is not in 'tools'", 400, "tool_choice")
+
+
+def check_tool_messages(messages: list[Any]) -> None:
+    """Refuse tool-call messages OpenAI refuses (``messages`` as parsed :class:`ChatMessage` objects).
+
+    Raises:
+        APIError(400): a ``tool`` message without ``tool_call_id`` (``messages.<k>.tool_call_id``);
+            an assistant ``tool_calls`` entry that is not ``{"id", "type": "function", "function":
+            {"name", "arguments" (a string)}}`` (``messages.<k>.tool_calls.<j>...``).
+    """
+    for k, m in enumerate(messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise APIError(f"messages[{k}] has role 'tool' but no tool_call_id", 400, f"messages.{k}.tool_call_id")
+        for j, call in enumerate(m.tool_calls or []):
+            where = f"messages.{k}.tool_calls.{j}"
+            if m.role != "assistant":
+                raise APIError(f"messages[{k}]: only assistant messages carry tool_calls", 400, f"messages.{k}.tool_calls")
+            if not isinstance(call, dict) or not isinstance(call.get("id"), str):
+                raise APIError(f"{where}.id must be a string", 400, f"{where}.id")
+            if call.get("type") != "function":
+                raise APIError(f"{where}.type must be 'function'", 400, f"{where}.type")
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(f"{where}.function.name must be a string", 400, f"{where}.function.name")
+            if not isinstance(fn.get("arguments"), str):
+                raise APIError(f"{where}.function.arguments must be a JSON string", 400, f"{where}.function.arguments")

@@ -25,7 +25,7 @@ from fleetserve.engine.grammar.spec import GRAMMAR_FIELDS, JSON_OBJECT_SCHEMA
 from fleetserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from fleetserve.entrypoints.tool_checks import check_tools
+from fleetserve.entrypoints.tool_checks import check_tool_messages, check_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for sampling_params.max_new_tokens
@@ -291,6 +291,7 @@ def check_chat_request(req: ChatCompletionRequest) -> None:
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
     check_tools(req.tools, req.tool_choice)
+    check_tool_messages(req.messages)
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

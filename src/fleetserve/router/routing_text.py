@@ -4,10 +4,13 @@
 * ``/v1/completions``: ``prompt`` as a string, a list of strings, a list of
   token ids or a list of lists of token ids.
 * ``/v1/chat/completions``: every message in order, each as
-  ``"\\x1e" + role + "\\x1f" + content``; list content keeps its ``text``
+  ``content + "\\x1e" + role + "\\x1f"``; list content keeps its ``text``
   parts in order and names other parts by type.  Each message adds a piece
   that does not depend on later messages, so turn N's text is a prefix of
-  turn N+1's and a conversation keeps matching the same worker.
+  turn N+1's and a conversation keeps matching the same worker.  The role
+  marker follows the content: were it first, every conversation would start
+  with the same few characters (``"\\x1euser\\x1f"``), and short chats would
+  all count as cache hits on whichever worker got the first one (issue 15).
 
 Token ids are turned into a stable text form: one character per id
 (``chr(id)``), after a ``"\\x1d"`` marker, so that matched characters are
@@ -74,7 +77,7 @@ def chat_text(messages) -> str:
     for m in messages:
         if isinstance(m, dict):
             role = m.get("role")
-            out.append(_MSG + (role if isinstance(role, str) else "") + _ROLE_END + _content_text(m.get("content")))
+            out.append(_content_text(m.get("content")) + _MSG + (role if isinstance(role, str) else "") + _ROLE_END)
     return "".join(out)
 
 

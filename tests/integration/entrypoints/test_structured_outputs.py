@@ -82,7 +82,7 @@ def server():
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "fleetserve.cli", "serve", "--port", str(port), "--max-total-tokens", "4096",
-           "--log-level", "warning"]
+           "--log-level", "warning", "--tool-call-parser", "qwen25"]
     log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fleetserve-structured-{port}.log"), "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -252,11 +252,21 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 WEATHER_Q = [{"role": "user", "content": "What's the weather in Paris for the next 3 days?"}]
 
 
+def sdk_accumulated(chunks, tools):
+    """The ``openai`` SDK's own accumulation of a streamed chat answer (choice 0)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state = ChatCompletionStreamState(input_tools=tools)
+    for ch in chunks:
+        state.handle_chunk(ch)
+    return state.get_final_completion().choices[0]
+
+
 @pytest.mark.parametrize("choice,name", [("required", None),
                                          ({"type": "function", "function": {"name": "get_time"}}, "get_time")])
 def test_forced_tool_call_has_schema_valid_arguments_streaming_or_not(client, model, choice, name):
     kw = dict(model=model, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=80,
-              temperature=0)
+              temperature=0, parallel_tool_calls=False)
     r = client.chat.completions.create(**kw)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", c
@@ -268,14 +278,96 @@ def test_forced_tool_call_has_schema_valid_arguments_streaming_or_not(client, mo
     tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
     validate(json.loads(call.function.arguments), tool["function"]["parameters"])
     chunks = list(client.chat.completions.create(**kw, stream=True))
-    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
-    streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == \
-        [(call.function.name, json.loads(call.function.arguments))]
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    streamed = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    heads = [t for t in streamed if t.id is not None]
+    assert [(t.index, t.type, t.function.name, t.function.arguments) for t in heads] == \
+        [(0, "function", call.function.name, "")]
+    assert len(streamed) > 2  # the arguments came in several pieces
+    final = sdk_accumulated(chunks, [WEATHER, TIME])
+    assert final.finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
+
+
+def test_required_with_parallel_calls_allows_several_each_valid(client, model):
+    r = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=160, temperature=0)
+    c = r.choices[0]
+    if c.finish_reason == "length":  # several calls ran out of tokens: every complete one still parses
+        return
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) >= 1
+    for call in c.message.tool_calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_auto_parses_the_call_the_model_writes(client, model):
+    """``--tool-call-parser qwen25`` with ``tool_choice: auto``: the model's ``<tool_call>`` text becomes
+    ``tool_calls``. SGLang's ``ebnf`` extra field (the grammar a ``required`` choice would use) makes
+    SmolLM2 write one; the answer is read by the auto parser, not by the forced path."""
+    from fleetserve.entrypoints.tool_parser import forced_call_grammar
+
+    kw = dict(model=model, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=80,
+              temperature=0, extra_body={"ebnf": forced_call_grammar([WEATHER, TIME], None)})
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1 and not c.message.content
+    call = c.message.tool_calls[0]
+    validate(json.loads(call.function.arguments),
+             {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"])
+    final = sdk_accumulated(list(client.chat.completions.create(**kw, stream=True)), [WEATHER, TIME])
+    assert final.finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
+    # unconstrained auto: the model may or may not call; either way the answer is well formed
+    free = client.chat.completions.create(**{**kw, "extra_body": {}}).choices[0]
+    if free.message.tool_calls:
+        assert free.finish_reason == "tool_calls"
+        for t in free.message.tool_calls:
+            assert isinstance(json.loads(t.function.arguments), dict)
+    else:
+        assert free.finish_reason in ("stop", "length") and free.message.content
+
+
+def test_tool_call_and_result_go_back_through_the_template(client, model):
+    turn = WEATHER_Q + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    short = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER], max_tokens=1,
+                                           temperature=0).usage.prompt_tokens
+    r = client.chat.completions.create(model=model, messages=turn, tools=[WEATHER], max_tokens=20, temperature=0)
+    # the call's JSON and the result are in the prompt (SmolLM2's template would drop them)
+    assert r.usage.prompt_tokens > short + 20
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_tool_choice_none_is_plain_text(client, model):
     r = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER], tool_choice="none",
                                        max_tokens=10, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("parser", ["deepseekv3", "llama3", "qwen25"])
+def test_each_formats_forcing_grammar_yields_text_its_parser_reads(http, parser):
+    """The grammar a ``required`` choice uses under ``--tool-call-parser <parser>`` makes SmolLM2 write
+    a call in that format; the format's parser reads it back, whole and streamed, schema-valid."""
+    from helpers.tool_streams import accumulate, stream
+
+    from fleetserve.entrypoints.tool_parser import forced_call_grammar
+    from fleetserve.entrypoints.tool_parsers import get_format, parse_tool_calls
+
+    grammar = forced_call_grammar([WEATHER, TIME], None, parser, parallel=False)
+    r = http.post("/generate", json={"text": "What's the weather in Paris for the next 3 days? Call a tool.",
+                                     "sampling_params": {"ebnf": grammar, "max_new_tokens": 100, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    assert r.json()["meta_info"]["finish_reason"]["type"] == "stop", text
+    fmt = get_format(parser)
+    content, calls = parse_tool_calls(fmt, text)
+    assert content is None and len(calls) == 1, text
+    call = calls[0]["function"]
+    validate(json.loads(call["arguments"]), {"get_weather": WEATHER, "get_time": TIME}[call["name"]]["function"]
+             ["parameters"])
+    streamed_content, deltas = stream(fmt, text, 2)
+    assert not streamed_content.strip()
+    assert [(n, a) for _, n, a in accumulate(deltas)] == [(call["name"], call["arguments"])]

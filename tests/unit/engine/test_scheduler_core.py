@@ -282,3 +282,11 @@ def test_flush_cache_and_stats(make_sched):
     assert st.kv_pool_size == 300 and st.kv_cached_tokens == 24 and st.kv_used_tokens == 0
     assert st.prompt_tokens_total == 20 and st.generation_tokens_total == 5
     assert s.flush_cache() and s.cache.total_size() == 0 and s.allocator.available_size() == 300
+
+
+def test_prompt_id_outside_the_vocabulary_is_named_in_the_abort(make_sched):
+    s = make_sched()
+    out = s.add_request(TokenizedGenerateReq("oov", [1, 2, s.vocab_size + 5, 3], greedy(2)))
+    assert out[0].finished and out[0].finish_reason["type"] == "abort"
+    assert f"prompt token id {s.vocab_size + 5} " in out[0].finish_reason["message"]
+    assert not s.has_work()

@@ -50,8 +50,8 @@ class ByteTokenizer:
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, continue_final_message=False,
                             **kw):
         for m in messages:
-            if m["role"] == "tool" and "tool_call_id" not in m:
-                raise ValueError("tool messages need tool_call_id")
+            if m["content"] == "<reject>":
+                raise ValueError("the template refuses this message")
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant: " if add_generation_prompt else "")
 

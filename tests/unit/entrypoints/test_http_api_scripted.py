@@ -143,7 +143,10 @@ BAD = [
     ("image part", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages.0.content.0.type"),
-    ("template rejects", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
+    ("template rejects", "/v1/chat/completions", {"messages": [{"role": "user", "content": "<reject>"}]}, 400,
+     "messages"),
+    ("tool message without its call id", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400,
+     "messages.0.tool_call_id"),
     ("generate both text and ids", "/generate", {"text": "x", "input_ids": [1]}, 400, "text"),
     ("generate bad id", "/generate", {"input_ids": [1, 300]}, 400, "input_ids"),
     ("generate unknown sampling key", "/generate", {"text": "x", "sampling_params": {"temp": 1}},
@@ -237,6 +240,35 @@ def test_chat_streaming_matches_and_includes_usage(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
     # the template saw "system: be brief\nuser: hi\nassistant: " (developer maps to system)
     assert whole.usage.prompt_tokens == len("system: be brief\nuser: hi\nassistant: ")
+
+
+def test_continuous_usage_stats_every_chunk_carries_usage_so_far(client):
+    """vLLM's ``continuous_usage_stats`` (issue 15): with ``include_usage``, each chunk has the usage so far."""
+    msgs = [{"role": "user", "content": "hi"}]
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, stream=True,
+                                                 stream_options=opts))
+    prompt = len("user: hi\nassistant: ")
+    body = [c for c in chunks if c.choices]
+    assert all(c.usage is not None and c.usage.prompt_tokens == prompt for c in body)
+    assert body[0].usage.completion_tokens == 0  # the role chunk, before any token
+    seen = [c.usage.completion_tokens for c in body]
+    assert seen == sorted(seen) and seen[-1] == 16
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in body)
+    # the text so far has exactly as many bytes as the tokens counted so far (one byte per token)
+    text = ""
+    for c in body:
+        text += c.choices[0].delta.content or ""
+        if "\ufffd" not in text and c.choices[0].finish_reason is None:
+            assert len(text.encode()) <= c.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    comp = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=5, stream=True, stream_options=opts))
+    assert [c.usage.completion_tokens for c in comp if c.choices] == [1, 2, 3, 4, 5]
+    assert all(c.usage.prompt_tokens == 3 for c in comp)
+    # without include_usage it has no effect (vLLM: both are needed)
+    plain = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=3, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
 
 
 def test_n3_every_chunk_has_its_index(client):
@@ -415,3 +447,37 @@ def test_no_scheduler_connected_is_503_not_a_hang():
     finally:
         box["server"].should_exit = True
         t.join(10)
+
+
+def test_abort_request_ends_its_streaming_and_waiting_clients_at_once():
+    """Issue 15: ``/abort_request`` gives the aborted request's own clients a finished answer at once
+    (SGLang: ``meta_info.finish_reason.type == "abort"``), streaming and not."""
+    slow = Server(delay=0.3)  # the whole script would take > 10 s
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{slow.port}", timeout=20,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as h:
+            body = {"text": "x", "rid": "ab-stream", "stream": True, "sampling_params": {"max_new_tokens": 100}}
+            t0 = time.monotonic()
+            with h.stream("POST", "/generate", json=body) as r:
+                lines = r.iter_lines()
+                first = next(x for x in lines if x.startswith("data: {"))
+                assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+                assert h.post("/abort_request", json={"rid": "ab-stream"}).json() == {
+                    "success": True, "aborted": ["ab-stream"]}
+                events = [x for x in lines if x.startswith("data: ")]
+            assert time.monotonic() - t0 < 5
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["meta_info"]["finish_reason"]["type"] == "abort"
+            done: list = []
+            waiter = threading.Thread(target=lambda: done.append(h.post("/generate", json={
+                "text": "x", "rid": "ab-wait", "sampling_params": {"max_new_tokens": 100}})))
+            waiter.start()
+            deadline = time.monotonic() + 5
+            while "ab-wait" not in slow.tm.streams and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert h.post("/abort_request", json={"rid": "ab-wait"}).json()["aborted"] == ["ab-wait"]
+            waiter.join(5)
+            assert done and done[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
+            assert not slow.tm.streams
+    finally:
+        slow.close()

@@ -137,3 +137,18 @@ def test_n_is_capped_at_max_n():
     assert (e.status, e.param, str(e)) == (400, "n", "n must be at most 128, got 129")
     e = refused(native_sampling, {"n": 129}, prompt_len=1, **LIMITS)
     assert (e.status, e.param, str(e)) == (400, "sampling_params.n", "n must be at most 128, got 129")
+
+
+@pytest.mark.parametrize("bad_ids, index, value", [([3, VOCAB + 7], 1, VOCAB + 7), ([-2], 0, -2)])
+def test_stop_token_id_outside_the_vocabulary_is_named(bad_ids, index, value):
+    """Issue 15: the error names the offending id and its place, not only the range."""
+    e = refused(completion_sampling, CompletionRequest(prompt="x", stop_token_ids=bad_ids), prompt_len=1, **LIMITS)
+    assert e.param == "stop_token_ids"
+    assert f"stop_token_ids[{index}] = {value}" in e.message and f"[0, {VOCAB})" in e.message
+    e = refused(native_sampling, {"stop_token_ids": bad_ids}, prompt_len=1, **LIMITS)
+    assert e.param == "sampling_params.stop_token_ids" and f"= {value}" in e.message
+
+
+def test_prompt_id_outside_the_vocabulary_is_named():
+    e = refused(generate_prompts, GenerateRequest(input_ids=[1, 2, VOCAB + 3]), lambda t: [1], VOCAB)
+    assert e.param == "input_ids" and f"token id {VOCAB + 3} at input_ids[2]" in e.message

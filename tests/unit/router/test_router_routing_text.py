@@ -38,3 +38,41 @@ def test_generate_text_or_input_ids_and_huge_ids():
     big = ids_text([2**40, 3])
     assert big.startswith("\x1d") and "1099511627776" in big
     assert routing_text("/generate", {"text": 5}) == ""
+
+
+WORDS = ["hi", "hello", "thanks", "yes", "no", "why", "ok", "bye"]
+
+
+def _common(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_one_word_chats_share_only_their_content_prefix():
+    """Issue 15: no structural prefix (role marker) common to every conversation."""
+    texts = {w: chat_text([{"role": "user", "content": w}]) for w in WORDS}
+    for a in WORDS:
+        for b in WORDS:
+            if a != b:
+                assert _common(texts[a], texts[b]) == _common(a, b), (a, b)
+
+
+def test_one_word_chats_spread_and_long_conversations_still_stick():
+    from fleetserve.router.policies import CacheAwarePolicy
+    from fleetserve.router.workers import Worker
+
+    ws = [Worker(f"http://w{i}") for i in range(4)]
+    p = CacheAwarePolicy()  # sglang-router defaults: a hit needs more than 30% of the text matched
+    homes = [p.select(ws, routing_text("/v1/chat/completions", {"messages": [{"role": "user", "content": w}]})).url
+             for w in WORDS]
+    assert len(set(homes)) == 4 and max(homes.count(u) for u in set(homes)) == 2, homes
+    assert p.hits == 0 and p.misses == 8
+    conv = [{"role": "system", "content": "You are a terse assistant for the fleet."},
+            {"role": "user", "content": "How many workers are there in the fleet right now?"}]
+    home = p.select(ws, chat_text(conv)).url
+    for turn in range(3):
+        conv += [{"role": "assistant", "content": f"Answer {turn}."}, {"role": "user", "content": f"And {turn}?"}]
+        assert p.select(ws, chat_text(conv)).url == home
+    assert p.hits == 3

@@ -1,5 +1,6 @@
 """``POST /v1/chat/completions``: the model's chat template over text messages; logprobs; SSE;
-tool calls parsed from the output (:mod:`fleetserve.entrypoints.tool_parser`)."""
+tools: calls parsed from the output in the --tool-call-parser format, streamed as argument
+deltas (:mod:`fleetserve.entrypoints.tool_parser`, :mod:`fleetserve.entrypoints.tool_parsers`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastapi.responses import Response
 from fleetserve.entrypoints.http.body import read_request
 from fleetserve.entrypoints.http.state import server_state
 from fleetserve.entrypoints.http.streaming import Collected, Merged, respond, submit_all
-from fleetserve.entrypoints.http.usage import stream_usage, usage_of
+from fleetserve.entrypoints.http.usage import continuous_usage, stream_usage, usage_of, usage_so_far
 from fleetserve.entrypoints.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -31,7 +32,9 @@ from fleetserve.entrypoints.openai_protocol import (
 from fleetserve.engine.grammar.spec import GrammarError, check_grammar
 from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.tokenizer_manager import TokenizerManager, TokenOutput
-from fleetserve.entrypoints.tool_parser import ToolCallStream, parse_tool_calls, plan_tools
+from fleetserve.entrypoints.tool_messages import template_messages
+from fleetserve.entrypoints.tool_parser import ToolPlan, parse_tool_calls, plan_tools
+from fleetserve.entrypoints.tool_parsers import ToolCallStream
 from fleetserve.entrypoints.validation import chat_messages, chat_sampling, check_chat_request
 
 router = APIRouter()
@@ -45,15 +48,16 @@ async def create_chat_completion(request: Request) -> Response:
     state.check_model(req.model)
     routed = state.routed_dp_rank(request, req.routed_dp_rank)
     check_chat_request(req)
-    ids = tm.apply_chat_template(chat_messages(req), req.tools, req.add_generation_prompt,
+    messages, tools = template_messages(chat_messages(req), req.tools, getattr(tm.tokenizer, "chat_template", None))
+    ids = tm.apply_chat_template(messages, tools, req.add_generation_prompt,
                                  req.continue_final_message, req.chat_template_kwargs)
     sp = chat_sampling(req, prompt_len=len(ids), vocab_size=info.vocab_size, context_length=info.context_length)
-    parse_tools, forced = plan_tools(req.tools, req.tool_choice, state.server_args.get("tool_call_parser"))
-    if forced is not None:
-        sp = forced_sampling(sp, forced)
+    plan = plan_tools(req.tools, req.tool_choice, state.server_args.get("tool_call_parser"), req.parallel_tool_calls)
+    if plan.grammar is not None:
+        sp = forced_sampling(sp, plan.grammar)
     streams = submit_all(state, [ids], [sp], return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
                          routed_dp_rank=routed)
-    answer = ChatAnswer(tm, state.model_name, req, random_id("chatcmpl"), parse_tools)
+    answer = ChatAnswer(tm, state.model_name, req, random_id("chatcmpl"), plan, prompt_len=len(ids))
     return await respond(request, streams, stream=bool(req.stream), build=answer.build, chunks=answer.chunks)
 
 
@@ -97,8 +101,18 @@ class ChatAnswer:
     model_name: str
     req: ChatCompletionRequest
     rid: str
-    parse_tools: bool = False
+    plan: ToolPlan = field(default_factory=ToolPlan)  # plan.fmt None: plain text
+    prompt_len: int = 0  # prompt tokens, for continuous usage stats
     streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    done_tokens: dict[int, int] = field(default_factory=dict)  # choice -> completion tokens so far
+
+    def reader(self, i: int) -> ToolCallStream | None:
+        """Choice ``i``'s streaming tool-call reader (None: plain text)."""
+        if self.plan.fmt is None:
+            return None
+        if i not in self.streams:
+            self.streams[i] = ToolCallStream(self.plan.fmt, self.plan.max_calls)
+        return self.streams[i]
 
     def logprobs(self, outs: list[TokenOutput]) -> ChatLogprobs | None:
         return chat_logprobs(self.tm, outs, self.req.top_logprobs or 0) if self.req.logprobs else None
@@ -110,8 +124,8 @@ class ChatAnswer:
             text = "".join(o.text for o in outs)
             reason = last.finish_reason if last else "abort"
             message = ChatMessageOut(content=text)
-            if self.parse_tools:
-                content, calls = parse_tool_calls(text)
+            if self.plan.fmt is not None:
+                content, calls = parse_tool_calls(self.plan.fmt, text, self.plan.max_calls)
                 if calls:
                     message = ChatMessageOut(content=content, tool_calls=calls)
                     reason = "tool_calls" if reason == "stop" else reason
@@ -126,6 +140,8 @@ class ChatAnswer:
                                       usage=usage_of([prompt], [cached], completion))
 
     def chunk(self, created: int, choices: list[ChatChunkChoice], **extra) -> ChatCompletionChunk:
+        if choices and "usage" not in extra and continuous_usage(self.req.stream_options):
+            extra["usage"] = usage_so_far(self.prompt_len, self.done_tokens.get(choices[0].index, 0))
         return ChatCompletionChunk(id=self.rid, created=created, model=self.model_name, choices=choices, **extra)
 
     async def chunks(self, merged: Merged) -> AsyncIterator[ChatCompletionChunk]:
@@ -135,21 +151,24 @@ class ChatAnswer:
             yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         async for i, out in merged:
             last[i] = out
+            self.done_tokens[i] = out.completion_tokens
             lp = self.logprobs([out])
-            text = self.streams.setdefault(i, ToolCallStream()).feed(out.text) if self.parse_tools else out.text
+            reader = self.reader(i)
+            text, calls = reader.feed(out.text) if reader is not None else (out.text, [])
             if text or (lp and lp.content):
                 yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(content=text),
                                                            logprobs=lp)])
+            for call in calls:
+                yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(tool_calls=[call]))])
             if out.finished:
                 reason = out.finish_reason
-                if self.parse_tools:
-                    rest, calls = self.streams.setdefault(i, ToolCallStream()).finish()
+                if reader is not None:
+                    rest, calls = reader.finish()
                     if rest:
                         yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(content=rest))])
-                    for k, call in enumerate(calls):
-                        yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(
-                            tool_calls=[{"index": k, **call}]))])
-                    if calls and reason == "stop":
+                    for call in calls:
+                        yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(tool_calls=[call]))])
+                    if reader.calls_sent and reason == "stop":
                         reason = "tool_calls"
                 yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason)])
         if self.req.stream_options and self.req.stream_options.include_usage:

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from fleetserve.entrypoints.http.body import read_request
 from fleetserve.entrypoints.http.state import server_state
 from fleetserve.entrypoints.http.streaming import Collected, Merged, respond, submit_all
-from fleetserve.entrypoints.http.usage import stream_usage, usage_of
+from fleetserve.entrypoints.http.usage import continuous_usage, stream_usage, usage_of, usage_so_far
 from fleetserve.entrypoints.openai_protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -140,7 +140,9 @@ class CompletionAnswer:
             last[i] = out
             if not text and not out.finished and not (lp and lp.tokens):
                 continue
-            yield CompletionChunk(id=self.rid, created=created, model=self.model_name, choices=[
+            usage = (usage_so_far(len(self.prompts[pidx]), out.completion_tokens)
+                     if continuous_usage(self.req.stream_options) else None)
+            yield CompletionChunk(id=self.rid, created=created, model=self.model_name, usage=usage, choices=[
                 CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=out.finish_reason,
                                  matched_stop=out.matched_stop if out.finished else None)])
         if self.req.stream_options and self.req.stream_options.include_usage:

@@ -27,3 +27,18 @@ def stream_usage(last: dict[int, TokenOutput], n: int) -> UsageInfo:
     completion = sum(o.completion_tokens for o in last.values())
     firsts = [last[i] for i in sorted(last) if i % n == 0]
     return usage_of([o.prompt_tokens for o in firsts], [o.cached_tokens for o in firsts], completion)
+
+
+def continuous_usage(stream_options) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far.
+
+    As in vLLM it takes effect with ``include_usage`` (which adds the final usage-only chunk).
+    """
+    return bool(stream_options and stream_options.include_usage and stream_options.continuous_usage_stats)
+
+
+def usage_so_far(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """The usage of one choice's chunk under continuous usage stats (vLLM: per choice, its
+    prompt and the tokens it has generated so far)."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
