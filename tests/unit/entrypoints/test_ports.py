@@ -24,6 +24,12 @@ def busy_port():
         yield s.getsockname()[1]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_port_range_error_names_the_flag():
     assert port_range_error("--port", 30000) is None
     assert port_range_error("--port", 0, allow_zero=True) is None
@@ -85,7 +91,7 @@ def test_launch_refuses_ports_out_of_range(capsys, argv, line):
 @pytest.mark.parametrize("flag", ["--port", "--worker-base-port"])
 def test_launch_refuses_a_busy_port_before_starting_anything(capsys, busy_port, flag):
     other = "--worker-base-port" if flag == "--port" else "--port"
-    other_port = busy_port + 10 if busy_port < 65000 else busy_port - 10
+    other_port = _free_port()  # not busy_port +- k: another process may hold that one
     assert launch.main(["--worker-kind", "sim", "--workers", "1", flag, str(busy_port),
                         other, str(other_port)]) == 2
     out = capsys.readouterr()
