@@ -109,6 +109,7 @@ class SimEngine:
         self.stats = {"num_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
                       "num_prefill_steps": 0, "num_decode_steps": 0, "busy_time_s": 0.0}
         self.gen_meter = ThroughputMeter()
+        self.idle = False  # True while the loop waits for work (nothing queued, running or in a prefill step)
 
     # ------------------------------------------------------------------ API
     def start(self) -> None:
@@ -134,11 +135,13 @@ class SimEngine:
         if not req.input_ids:
             raise ValueError("empty prompt")
         self.waiting.append(req)
+        self.idle = False
         self._wake.set()
 
     def abort(self, req: SimRequest) -> None:
         """The client went away: drop ``req`` at the next step."""
         req.aborted = True
+        self.idle = False
         self._wake.set()
 
     def flush_cache(self) -> bool:
@@ -193,7 +196,9 @@ class SimEngine:
                 self._end_step()  # their pages entered the tree; publish now, the loop may go idle
             if not self.waiting and not self.running:
                 self._wake.clear()
+                self.idle = True
                 await self._wake.wait()
+                self.idle = False
                 continue
             t0 = loop.time()
             new = self._admit()
@@ -217,6 +222,7 @@ class SimEngine:
             else:
                 # head of the queue does not fit and nothing runs: cannot happen after
                 # the submit() size check unless the cache is locked by nobody; wait a tick.
+                self._end_step()  # evictions made while trying to admit are published all the same
                 await asyncio.sleep(0.001)
                 continue
             self.stats["busy_time_s"] += dur
