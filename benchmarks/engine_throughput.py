@@ -17,12 +17,18 @@ One run measures, on the same prompts and the same number of threads:
 * a repeated 1,000-token prefix: TTFT of a prompt made of a fixed 1,000-token
   document plus a short question, cold (first time) versus warm (the document
   is in the radix cache; mean of several distinct questions), with
-  transformers' TTFT on the same prompt for reference.
+  transformers' TTFT on the same prompt for reference;
+* KV-cache events on versus off (``--kv-events-config``, page size 16): one
+  rank with ``--page-size 16`` runs the same closed loop with its publisher
+  attached (and a SUB subscriber in a thread counting every batch) and
+  detached, alternating rounds, same prompts; output tok/s and mean TTFT of
+  each, and their ratio (section ``engine_kv_events``, written on its own).
 
 Usage::
 
     python benchmarks/engine_throughput.py            # writes docs/benchmarks.md
     python benchmarks/engine_throughput.py --quick    # small run, prints only
+    python benchmarks/engine_throughput.py --only-kv-events   # just the events on/off section
 """
 
 from __future__ import annotations
@@ -107,6 +113,182 @@ def ttft_fleetserve(sched, ids: list[int]) -> tuple[float, int]:
     raise RuntimeError("request did not finish")
 
 
+# ------------------------------------------------------------------------- KV events
+class EventCounter:
+    """A SUB socket on the publisher's endpoint, drained by a thread: counts batches and events."""
+
+    def __init__(self, endpoint: str):
+        import threading
+
+        import msgpack
+        import zmq
+
+        self._msgpack = msgpack
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.batches = 0
+        self.events = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(100):
+                frames = self.sock.recv_multipart()
+                self.batches += 1
+                self.events += len(self._msgpack.unpackb(frames[2])[1])  # decoded, as a router would
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def long_prompts_for(n: int, details: int = 24) -> list[str]:
+    """``n`` distinct prompts of a few hundred tokens (many whole 16-token pages each)."""
+    return [f"Write a short story about {TOPICS[i % len(TOPICS)]}, request {i}. "
+            + " ".join(f"Detail {k}: it involves {TOPICS[(i + 7 * k) % len(TOPICS)]}." for k in range(details))
+            for i in range(n)]
+
+
+class _Stopwatch:
+    """Wraps callables so the time spent inside them (on the calling thread) adds up in ``seconds``."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.on = False
+
+    def wrap(self, fn):
+        def timed(*a, **kw):
+            if not self.on:
+                return fn(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def run_kv_events(path: str, dtype: str, prompt_ids: list[list[int]], conc: int, max_new: int,
+                  rounds: int) -> dict:
+    """Events on vs off on one ``--page-size 16`` rank, alternating ``rounds`` rounds of each.
+
+    Returns ``{"off": [(tok/s, TTFT s, CPU ms per output token), ...], "on": [...], "batches", "events",
+    "published", "dropped"}``; the CPU time is this process's (every thread: torch's, the publisher's,
+    the subscriber's), which other jobs on a shared machine disturb much less than wall time.
+    """
+    import json
+
+    from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
+    from fleetserve.engine.args import ServerArgs
+    from fleetserve.engine.rank_builder import build_rank
+    from fleetserve.engine.rank_supervisor import free_port
+
+    import fleetserve.engine.radix_cache as radix_cache
+
+    port = free_port()
+    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "bench"}
+    rank = build_rank(ServerArgs(model_path=path, dtype=dtype, max_total_tokens=32768, random_seed=0, page_size=16,
+                                 kv_events_config=json.dumps(cfg)), SINGLE_RANK_STATE)
+    sched = rank.scheduler
+    pub = sched.event_sink
+    sub = EventCounter(f"tcp://127.0.0.1:{port}")
+    deadline = time.monotonic() + 20
+    while sub.batches == 0:  # ZMQ's slow joiner: publish flushes until the subscriber hears one
+        assert time.monotonic() < deadline, "subscriber never connected"
+        sched.flush_cache()
+        time.sleep(0.05)
+
+    # the scheduler thread's share of event work: page hashing and the sink calls (enqueue only)
+    watch = _Stopwatch()
+    radix_cache.page_digests = watch.wrap(radix_cache.page_digests)
+    for name in ("block_stored", "block_removed", "all_blocks_cleared", "end_step"):
+        setattr(pub, name, watch.wrap(getattr(pub, name)))
+    on_wall = 0.0
+
+    def attach(on: bool) -> None:
+        watch.on = False
+        sched.flush_cache()  # empty tree either way: nodes made without a sink carry no hashes
+        sched.event_sink = sched.cache.event_sink = pub if on else None
+        watch.on = on
+
+    out: dict = {"off": [], "on": []}
+    try:
+        attach(False)
+        run_fleetserve(sched, prompt_ids[:2], 2, 4)  # warm-up
+        b0, e0 = sub.batches, sub.events
+        for r in range(rounds):
+            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                attach(mode == "on")
+                c0, w0 = time.process_time(), time.perf_counter()
+                tps, ttft = run_fleetserve(sched, prompt_ids, conc, max_new)
+                cpu_ms = 1000 * (time.process_time() - c0) / (len(prompt_ids) * max_new)
+                if mode == "on":
+                    on_wall += time.perf_counter() - w0
+                out[mode].append((tps, ttft, cpu_ms))
+        watch.on = False
+        attach(True)
+        watch.on = False
+        time.sleep(0.5)  # let the last batches arrive
+        out.update(prompt_lens=[len(p) for p in prompt_ids], batches=sub.batches - b0, events=sub.events - e0, published=pub.published, dropped=pub.dropped,
+                   sched_event_s=watch.seconds, on_wall_s=on_wall)
+    finally:
+        sub.close()
+        pub.shutdown()
+    return out
+
+
+def kv_events_section(res: dict, conc: int, n: int, max_new: int, threads: int) -> str:
+    def med(mode: str, k: int) -> float:
+        return statistics.median(x[k] for x in res[mode])
+
+    off_tps, on_tps, off_ttft, on_ttft = med("off", 0), med("on", 0), med("off", 1), med("on", 1)
+    off_cpu, on_cpu = med("off", 2), med("on", 2)
+    load = os.getloadavg()
+    rounds = len(res["on"])
+    rows = [
+        f"Machine load average during the run: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min; "
+        f"{os.cpu_count()} cores shared with other jobs, so absolute figures are noisy: read the ratios).",
+        "",
+        f"SmolLM2-135M-Instruct on CPU, {threads} torch threads, one rank with `--page-size 16`, closed loop "
+        f"at concurrency {conc}, {n} distinct prompts of {statistics.mean(res['prompt_lens']):.0f} tokens "
+        f"(mean) with {max_new} output tokens each per round, greedy. *On*: the rank's "
+        f"KV-event publisher (`--kv-events-config`, map encoding) is the radix cache's sink, with a SUB "
+        f"subscriber in a thread of the same process decoding every batch; *off*: no sink (no hashing, no "
+        f"events). {rounds} rounds of each, alternating (off, on, on, off, ...), after a flush each; medians.",
+        "",
+        "| KV events | output tok/s | mean TTFT ms | CPU ms per output token |",
+        "|---|---:|---:|---:|",
+        f"| off | {off_tps:.1f} | {off_ttft*1000:.0f} | {off_cpu:.1f} |",
+        f"| on (page size 16, subscriber attached) | {on_tps:.1f} | {on_ttft*1000:.0f} | {on_cpu:.1f} |",
+        f"| on / off | {on_tps / off_tps:.3f} | {on_ttft / off_ttft:.3f} | {on_cpu / off_cpu:.3f} |",
+        "",
+        "CPU ms per output token: this process's CPU time (all its threads: torch's, the publisher's, the "
+        "subscriber's) over the round, divided by its output tokens; other jobs on the machine disturb it "
+        "far less than the wall-clock columns.",
+        "",
+        f"The subscriber received {res['batches']} batches ({res['events']} events) during the timed "
+        f"rounds; the publisher dropped {res['dropped']}. Time the scheduler thread spent on event work "
+        f"(page hashing and the sink calls, which only append and enqueue; measured by wrapping them): "
+        f"{res['sched_event_s'] * 1000:.1f} ms in {res['on_wall_s']:.1f} s of events-on rounds, "
+        f"**{100 * res['sched_event_s'] / res['on_wall_s']:.3f}%** of their wall time: the noise-free "
+        f"figure of what events cost the step loop (encoding and sending run on the publisher's "
+        f"thread and show in the CPU column). Target: tok/s and TTFT within 3% of events off -> "
+        f"**{'met' if abs(on_tps / off_tps - 1) <= 0.03 and abs(on_ttft / off_ttft - 1) <= 0.03 else 'not met'}**"
+        f" in this run. Per round (tok/s off | on): "
+        + ", ".join(f"{a[0]:.1f} | {b[0]:.1f}" for a, b in zip(res["off"], res["on"]))
+        + "; CPU ms per token (off | on): "
+        + ", ".join(f"{a[2]:.1f} | {b[2]:.1f}" for a, b in zip(res["off"], res["on"])) + ".",
+    ]
+    return "\n".join(rows)
+
+
 # ------------------------------------------------------------------------- transformers
 def run_hf(model, tok, texts: list[str], conc: int, max_new: int | list[int]) -> tuple[float, float]:
     """Batches of ``conc`` prompts; ``max_new`` for all or per request (a batch then runs to its
@@ -153,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-output-range", default="8,128", help="lo,hi of the per-request output lengths")
     ap.add_argument("--mixed-concurrency", type=int, default=32)
     ap.add_argument("--mixed-requests", type=int, default=64)
+    ap.add_argument("--kv-events-concurrency", type=int, default=8)
+    ap.add_argument("--kv-events-requests", type=int, default=16)
+    ap.add_argument("--kv-events-rounds", type=int, default=4, help="rounds of each (events on, events off)")
+    ap.add_argument("--only-kv-events", action="store_true", help="run only the KV events on/off section")
     ap.add_argument("--quick", action="store_true", help="tiny run, print only")
     ap.add_argument("--no-write", action="store_true", help="print the table, leave docs/benchmarks.md alone")
     args = ap.parse_args(argv)
@@ -161,16 +347,21 @@ def main(argv: list[str] | None = None) -> int:
         args.mixed_output_range, args.mixed_concurrency, args.mixed_requests = "2,12", 4, 8
     torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM
-
-    from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
-    from fleetserve.engine.args import ServerArgs
-    from fleetserve.engine.rank_builder import build_rank
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer
 
     path = default_model_path()
     print(f"loading {path}", flush=True)
+    if args.only_kv_events:
+        write_kv_events(args, path, load_tokenizer(path))
+        return 0
+
+    from transformers import AutoModelForCausalLM
+
+    from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
+    from fleetserve.engine.args import ServerArgs
+    from fleetserve.engine.rank_builder import build_rank
+
     server_args = ServerArgs(model_path=path, dtype=args.dtype, max_total_tokens=32768, random_seed=0)
     tok = load_tokenizer(path)
     tok.padding_side = "left"
@@ -299,7 +490,26 @@ def main(argv: list[str] | None = None) -> int:
 
         cmd = "python benchmarks/engine_throughput.py" + (f" --threads {args.threads}" if args.threads != 2 else "")
         write_section("engine_throughput", "Engine throughput and TTFT (SmolLM2, CPU)", cmd, text)
+    del rank, runner, sched, hf
+    write_kv_events(args, path, tok)
     return 0
+
+
+def write_kv_events(args, path: str, tok) -> None:
+    """Run the KV events on/off comparison, print it, and write its section unless ``--no-write``."""
+    conc, n, max_new = args.kv_events_concurrency, args.kv_events_requests, args.max_new_tokens
+    rounds = args.kv_events_rounds
+    if args.quick:
+        conc, n, rounds = 4, 4, 2
+    ids = [tok.encode(t) for t in long_prompts_for(n)]
+    res = run_kv_events(path, args.dtype, ids, conc, max_new, rounds)
+    text = kv_events_section(res, conc, n, max_new, args.threads)
+    print(text, flush=True)
+    if not args.no_write:
+        from doc_section import write_section
+
+        cmd = " ".join(["python benchmarks/engine_throughput.py", *sys.argv[1:]])
+        write_section("engine_kv_events", "KV-cache events on vs off (SmolLM2, CPU, page size 16)", cmd, text)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fleetserve.bench.timing_model import TimingModel
+from fleetserve.engine.io_struct import SchedulerStats
+from fleetserve.engine.load_report import ThroughputMeter
 from fleetserve.engine.radix_cache import RadixCache
 from fleetserve.engine.schedule_policy import IN_BATCH_SHARE_MIN, LPM_MAX_QUEUE
 from fleetserve.engine.schedule_policy import common_prefix_len as _common_len
@@ -106,6 +108,8 @@ class SimEngine:
         self._task: asyncio.Task | None = None
         self.stats = {"num_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
                       "num_prefill_steps": 0, "num_decode_steps": 0, "busy_time_s": 0.0}
+        self.gen_meter = ThroughputMeter()
+        self.idle = False  # True while the loop waits for work (nothing queued, running or in a prefill step)
 
     # ------------------------------------------------------------------ API
     def start(self) -> None:
@@ -131,11 +135,13 @@ class SimEngine:
         if not req.input_ids:
             raise ValueError("empty prompt")
         self.waiting.append(req)
+        self.idle = False
         self._wake.set()
 
     def abort(self, req: SimRequest) -> None:
         """The client went away: drop ``req`` at the next step."""
         req.aborted = True
+        self.idle = False
         self._wake.set()
 
     def flush_cache(self) -> bool:
@@ -155,14 +161,44 @@ class SimEngine:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
                 "cache_tokens": self.cache.total_size(), "free_kv_tokens": self.allocator.available_size()}
 
+    def scheduler_stats(self) -> SchedulerStats:
+        """This worker's figures as an engine scheduler reports them (DP rank 0), for ``/v1/loads``,
+        ``/get_load`` (shaped by :mod:`fleetserve.entrypoints.load_view`, as the engine's are).
+
+        ``kv_used_tokens``: pool minus free minus evictable cached slots (the engine's
+        formula; here it includes the output slots a running request reserved).
+        ``num_waiting_uncached_tokens``: each waiting prompt minus its cached prefix
+        (matched as admission matches it, ``input_ids[:-1]``).
+        """
+        matched = [int(self.cache.match_prefix(r.input_ids[:-1])[0].numel()) for r in self.waiting]
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_pool_size=self.capacity,
+            kv_used_tokens=self.capacity - self.allocator.available_size() - self.cache.evictable_size(),
+            kv_cached_tokens=self.cache.total_size(),
+            prompt_tokens_total=self.stats["prompt_tokens"],
+            generation_tokens_total=self.stats["generation_tokens"],
+            cached_prompt_tokens_total=self.stats["cached_tokens"],
+            kv_events_published=int(getattr(self.event_sink, "published", 0)),
+            kv_events_dropped=int(getattr(self.event_sink, "dropped", 0)),
+            num_waiting_uncached_tokens=sum(len(r.input_ids) - m for r, m in zip(self.waiting, matched)),
+            num_pending_tokens=sum(len(r.input_ids) for r in self.waiting),
+            max_running_requests=self.model.max_running_requests,
+            gen_throughput=self.gen_meter.rate(),
+        )
+
     # ------------------------------------------------------------- scheduling
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            self._drop_aborted()
+            if self._drop_aborted():
+                self._end_step()  # their pages entered the tree; publish now, the loop may go idle
             if not self.waiting and not self.running:
                 self._wake.clear()
+                self.idle = True
                 await self._wake.wait()
+                self.idle = False
                 continue
             t0 = loop.time()
             new = self._admit()
@@ -186,9 +222,11 @@ class SimEngine:
             else:
                 # head of the queue does not fit and nothing runs: cannot happen after
                 # the submit() size check unless the cache is locked by nobody; wait a tick.
+                self._end_step()  # evictions made while trying to admit are published all the same
                 await asyncio.sleep(0.001)
                 continue
             self.stats["busy_time_s"] += dur
+            self.gen_meter.record(self.stats["generation_tokens"])
             self._end_step()
 
     @staticmethod
@@ -283,7 +321,8 @@ class SimEngine:
         self.cache.dec_lock_ref(r._node)
         r._own_slots = r._prefix_slots = r._node = None
 
-    def _drop_aborted(self) -> None:
+    def _drop_aborted(self) -> bool:
+        """Drop aborted requests; ``True`` when running ones gave their KV to the tree."""
         if any(r.aborted for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if not r.aborted)
         gone = [r for r in self.running if r.aborted and not r.finished]
@@ -291,3 +330,4 @@ class SimEngine:
             for r in gone:
                 self._release(r)
             self.running = [r for r in self.running if not r.finished]
+        return bool(gone)

@@ -2,8 +2,8 @@
 
 Each worker is an aiohttp server with ``/v1/completions``,
 ``/v1/chat/completions``, ``/generate`` (streaming or not), ``/health``,
-``/v1/models``, ``/get_model_info``, ``/get_server_info``, ``/get_load``, ``/v1/loads``, ``/metrics`` and
-``/flush_cache``. Behind it a :class:`~fleetserve.bench.sim_engine.SimEngine`
+``/v1/models``, ``/get_model_info``, ``/get_server_info``, ``/get_load``, ``/v1/loads``,
+``/metrics`` and ``/flush_cache``. Behind it a :class:`~fleetserve.bench.sim_engine.SimEngine`
 keeps the engine's real radix cache and answers after the modelled service
 time. Usage reports ``prompt_tokens_details.cached_tokens`` like a real worker.
 
@@ -11,7 +11,11 @@ One process can host many workers: ``--num-workers N`` opens ports
 ``--port .. --port + N - 1``, all on one event loop.
 
 With ``--kv-events-config`` each worker's radix cache publishes KV-cache events
-as an engine does (docs/kv_events.md), worker ``i`` on the endpoints' ports + ``i``.
+as an engine does (docs/kv_events.md), worker ``i`` on the endpoints' ports + ``i``;
+its ``/get_server_info`` reports that worker's own config (endpoints already
+offset) with ``page_size`` and ``dp_size`` 1, so a router finds the stream from
+the worker URL alone. ``/get_load`` and ``/v1/loads`` answer in the engine's
+(SGLang's) shapes, built by the same code (:mod:`fleetserve.entrypoints.load_view`).
 
 Worker identity: every response carries the header ``X-Fleetserve-Worker`` and
 a top-level ``"worker_id"`` field (in the usage chunk when streaming), so the
@@ -34,9 +38,14 @@ from aiohttp import web
 from fleetserve.bench import timing_model
 from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
 from fleetserve.bench.sim_tokenizer import make_tokenizer
-from fleetserve.engine.kv_events.config import offset_endpoint, parse_kv_events_config
+from fleetserve.engine.kv_events.config import parse_kv_events_config
 from fleetserve.engine.kv_events.publisher import make_publisher
+from fleetserve.entrypoints.load_view import (
+    LoadsQueryError, legacy_load, loads_body, loads_prometheus, parse_loads_query, select_ranks,
+)
+from fleetserve.entrypoints.metrics import CONTENT_TYPE
 from fleetserve.entrypoints.ports import port_range_error
+from fleetserve.entrypoints.server_info import router_discovery_fields
 
 WORKER_HEADER = "X-Fleetserve-Worker"
 
@@ -62,7 +71,7 @@ class SimWorker:
     def __init__(self, engine: SimEngine, tokenizer, model_name: str, stream_interval: int, url: str,
                  kv_events_config: str | None = None):
         self.engine = engine
-        self.kv_events_config = kv_events_config  # this worker's own (ports offset), as JSON text
+        self.kv_events_config = kv_events_config
         self.tok = tokenizer
         self.model_name = model_name
         self.stream_interval = stream_interval
@@ -78,7 +87,7 @@ class SimWorker:
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_load", self.get_load)
-        r.add_get("/v1/loads", self.v1_loads)
+        r.add_get("/v1/loads", self.get_loads)
         r.add_get("/metrics", self.metrics)
         r.add_route("*", "/flush_cache", self.flush_cache)
 
@@ -95,30 +104,43 @@ class SimWorker:
         return web.json_response({"model_path": self.model_name, "tokenizer_path": self.tok.name,
                                   "is_generation": True})
 
+    def _own_kv_events_config(self) -> str | None:
+        """This worker's ``--kv-events-config`` JSON text with its own (offset) endpoints, or None."""
+        pub = self.engine.event_sink
+        if self.kv_events_config is None or pub is None:
+            return None
+        cfg = json.loads(self.kv_events_config)
+        cfg["endpoint"] = pub.endpoint
+        if pub.replay_endpoint is not None:
+            cfg["replay_endpoint"] = pub.replay_endpoint
+        return json.dumps(cfg)
+
     async def server_info(self, _req: web.Request) -> web.Response:
+        discovery = router_discovery_fields({"page_size": self.engine.model.page_size, "dp_size": 1,
+                                             "kv_events_config": self._own_kv_events_config()})
         return web.json_response({"model_path": self.model_name, "worker_id": self.engine.name, "url": self.url,
                                   "tokenizer": self.tok.name, "stream_interval": self.stream_interval,
                                   "timing_model": self.engine.model.to_dict(), "stats": dict(self.engine.stats),
-                                  "load": self.engine.load(),
-                                  # what a kv_aware router reads to subscribe (the engine's discovery fields)
-                                  "kv_events_config": self.kv_events_config, "dp_size": 1,
-                                  "page_size": self.engine.model.page_size})
+                                  "load": self.engine.load(), **discovery,
+                                  "scheduler_stats": [self.engine.scheduler_stats().__dict__]})
 
     async def get_load(self, _req: web.Request) -> web.Response:
-        return web.json_response(self.engine.load())
+        """SGLang's older per-rank list, as ``fleetserve serve`` answers it (one rank)."""
+        return web.json_response(legacy_load([self.engine.scheduler_stats()], time.perf_counter()))
 
-    async def v1_loads(self, _req: web.Request) -> web.Response:
-        """SGLang's ``/v1/loads`` core fields for this one-rank worker (docs/load-and-metrics.md)."""
-        e = self.engine
-        used = sum(len(r.input_ids) + r.sent for r in e.running)
-        waiting = sum(len(r.input_ids) for r in e.waiting)
-        cap = e.model.max_total_tokens
-        entry = {"dp_rank": 0, "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
-                 "num_total_reqs": len(e.running) + len(e.waiting), "num_used_tokens": used,
-                 "num_total_tokens": used + waiting, "max_total_num_tokens": cap,
-                 "token_usage": round(used / cap, 4) if cap else 0.0}
-        return web.json_response({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                  "dp_rank_count": 1, "loads": [entry]})
+    async def get_loads(self, req: web.Request) -> web.Response:
+        """SGLang's ``/v1/loads`` (query ``dp_rank``, ``include``, ``format``), as ``fleetserve serve`` answers it."""
+        try:
+            fmt, dp_rank = parse_loads_query(req.query)
+        except LoadsQueryError as e:
+            return _error(400, str(e), e.param)
+        try:
+            stats = select_ranks([self.engine.scheduler_stats()], 1, dp_rank)
+        except ValueError as e:
+            return _error(400, str(e), "dp_rank")
+        if fmt == "prometheus":
+            return web.Response(body=loads_prometheus(stats), headers={"Content-Type": CONTENT_TYPE})
+        return web.json_response(loads_body(stats, 1))
 
     async def metrics(self, _req: web.Request) -> web.Response:
         s, ld, w = self.engine.stats, self.engine.load(), self.engine.name
@@ -332,16 +354,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _worker_kv_config(cfg, i: int) -> str | None:
-    """Worker ``i``'s ``kv_events_config`` for ``/get_server_info``: the config with its endpoints offset by ``i``."""
-    if cfg is None or not cfg.enabled:
-        return None
-    out = {"publisher": cfg.publisher, "endpoint": offset_endpoint(cfg.endpoint, i), "topic": cfg.topic}
-    if cfg.replay_endpoint:
-        out["replay_endpoint"] = offset_endpoint(cfg.replay_endpoint, i)
-    return json.dumps(out)
-
-
 def _access_logger(enabled: bool):
     """aiohttp's ``aiohttp.access`` logger writing to stderr at INFO, or None (no access log)."""
     if not enabled:
@@ -370,7 +382,8 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
         url = f"http://{args.host}:{port}"
         eng = SimEngine(model, name=f"{args.host}:{port}", event_sink=make_publisher(kv_events, 0, port_offset=i))
         eng.start()
-        worker = SimWorker(eng, tok, args.model_name, args.stream_interval, url, _worker_kv_config(kv_events, i))
+        worker = SimWorker(eng, tok, args.model_name, args.stream_interval, url,
+                           getattr(args, "kv_events_config", None) if kv_events else None)
         runner = web.AppRunner(worker.app, access_log=_access_logger(getattr(args, "access_log", False)),
                                shutdown_timeout=2.0)
         await runner.setup()

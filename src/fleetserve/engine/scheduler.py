@@ -144,7 +144,17 @@ class Scheduler:
         return []
 
     def abort(self, rid: str) -> list[ReqOutput]:
-        """Abort request ``rid`` wherever it is; frees its KV. Unknown ids return []."""
+        """Abort request ``rid`` wherever it is; frees its KV. Unknown ids return [].
+
+        Its computed pages enter the radix cache, and their KV events are
+        published now: an idle scheduler may not step again for a long time.
+        """
+        out = self._abort(rid)
+        if out:
+            self._end_step_events()
+        return out
+
+    def _abort(self, rid: str) -> list[ReqOutput]:
         r = self.grammar.remove(rid)
         if r is not None:
             r.finish_reason = {"type": "abort", "message": "aborted"}

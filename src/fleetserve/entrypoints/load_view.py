@@ -42,7 +42,7 @@ The body's top level has SGLang's ``timestamp`` (UTC ISO 8601), ``version``,
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -128,6 +128,40 @@ def aggregate(loads: list[dict[str, Any]]) -> dict[str, Any]:
         "total_used_tokens": total("num_used_tokens"),
         "total_tokens": total("num_total_tokens"),
     }
+
+
+class LoadsQueryError(ValueError):
+    """A bad ``/v1/loads`` query parameter; ``param`` names it (for the 400 body)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def parse_loads_query(query: Mapping[str, str]) -> tuple[str, int | None]:
+    """``/v1/loads`` query parameters (SGLang's) -> ``(format, dp_rank)``.
+
+    ``include``: comma-separated sections (checked, see :func:`parse_include`);
+    ``format``: ``"json"`` (default) or ``"prometheus"``; ``dp_rank``: an int or absent
+    (range-checked later by :func:`select_ranks`).
+
+    Raises:
+        LoadsQueryError: an unknown section or format, or a ``dp_rank`` that is not an integer.
+    """
+    try:
+        parse_include(query.get("include"))
+    except ValueError as e:
+        raise LoadsQueryError(str(e), "include") from None
+    fmt = query.get("format") or "json"
+    if fmt not in ("json", "prometheus"):
+        raise LoadsQueryError(f"format must be 'json' or 'prometheus', got {fmt!r}", "format")
+    raw = query.get("dp_rank")
+    if raw is None:
+        return fmt, None
+    try:
+        return fmt, int(raw)
+    except ValueError:
+        raise LoadsQueryError(f"dp_rank must be an integer, got {raw!r}", "dp_rank") from None
 
 
 def select_ranks(stats: Iterable[SchedulerStats], dp_size: int, dp_rank: int | None) -> list[SchedulerStats]:

@@ -6,7 +6,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetserve.engine.io_struct import SchedulerStats
 from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.load_view import (
-    legacy_load, loads_body, loads_prometheus, parse_include, rank_load, select_ranks,
+    LoadsQueryError, legacy_load, loads_body, loads_prometheus, parse_include, parse_loads_query, rank_load,
+    select_ranks,
 )
 from fleetserve.entrypoints.metrics import EngineMetrics
 from fleetserve.entrypoints.validation import resolve_routed_dp_rank
@@ -69,6 +70,16 @@ def test_include_and_dp_rank_selection():
     assert select_ranks([R1, R0], 2, 1) == [R1]
     with pytest.raises(ValueError, match=r"dp_rank=2 out of range \[0, 2\)"):
         select_ranks([R0, R1], 2, 2)
+
+
+def test_loads_query_parameters():
+    assert parse_loads_query({}) == ("json", None)
+    assert parse_loads_query({"format": "prometheus", "dp_rank": "1", "include": "core"}) == ("prometheus", 1)
+    for q, param in (({"include": "core,bogus"}, "include"), ({"format": "xml"}, "format"),
+                     ({"dp_rank": "one"}, "dp_rank")):
+        with pytest.raises(LoadsQueryError) as e:
+            parse_loads_query(q)
+        assert e.value.param == param and param in str(e.value)
 
 
 @pytest.mark.parametrize("body, header, dp_size, want", [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -18,6 +17,7 @@ from fleetserve.entrypoints.http.state import ServerState, server_state
 from fleetserve.entrypoints.http.streaming import submit_all
 from fleetserve.entrypoints.metrics import CONTENT_TYPE
 from fleetserve.entrypoints.openai_protocol import AbortRequest, ModelCard, ModelList
+from fleetserve.entrypoints.server_info import router_discovery_fields
 
 logger = logging.getLogger(__name__)
 
@@ -82,25 +82,6 @@ async def get_model_info(request: Request) -> JSONResponse:
         "context_length": info.context_length,
         "vocab_size": info.vocab_size,
     })
-
-
-def router_discovery_fields(args: dict) -> dict:
-    """What a router needs to find every rank's KV-event endpoint from the worker URL alone.
-
-    ``page_size`` (tokens per KV page, 1 when the flag is absent), ``kv_events_config``
-    (as SGLang reports it: the ``--kv-events-config`` JSON text, or None), ``dp_size``
-    and ``enable_dp_attention`` (SGLang's publisher of DP rank ``d`` binds its endpoint's
-    port plus ``d``).
-    """
-    kv = args.get("kv_events_config")
-    if kv is not None and not isinstance(kv, str):  # parsed by the flag's owner: report it as JSON text
-        kv = json.dumps(kv)
-    return {
-        "page_size": int(args.get("page_size") or 1),
-        "kv_events_config": kv,
-        "dp_size": int(args.get("dp_size") or 1),
-        "enable_dp_attention": bool(args.get("enable_dp_attention", False)),
-    }
 
 
 @router.get("/get_server_info")

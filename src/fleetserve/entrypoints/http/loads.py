@@ -19,7 +19,9 @@ from fastapi.responses import JSONResponse, Response
 
 from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.http.state import ServerState, server_state
-from fleetserve.entrypoints.load_view import legacy_load, loads_body, loads_prometheus, parse_include, select_ranks
+from fleetserve.entrypoints.load_view import (
+    LoadsQueryError, legacy_load, loads_body, loads_prometheus, parse_loads_query, select_ranks,
+)
 from fleetserve.entrypoints.metrics import CONTENT_TYPE
 
 STATS_TIMEOUT_S = 2.0
@@ -37,20 +39,10 @@ def accelerators_per_rank(state: ServerState) -> int:
 @router.get("/v1/loads")
 async def get_loads(request: Request) -> Response:
     state = server_state(request)
-    q = request.query_params
     try:
-        parse_include(q.get("include"))
-    except ValueError as e:
-        raise APIError(str(e), 400, "include") from None
-    fmt = q.get("format") or "json"
-    if fmt not in ("json", "prometheus"):
-        raise APIError(f"format must be 'json' or 'prometheus', got {fmt!r}", 400, "format")
-    dp_rank = None
-    if q.get("dp_rank") is not None:
-        try:
-            dp_rank = int(q["dp_rank"])
-        except ValueError:
-            raise APIError(f"dp_rank must be an integer, got {q['dp_rank']!r}", 400, "dp_rank") from None
+        fmt, dp_rank = parse_loads_query(request.query_params)
+    except LoadsQueryError as e:
+        raise APIError(str(e), 400, e.param) from None
     stats = await state.tm.get_stats(timeout=STATS_TIMEOUT_S)
     try:
         stats = select_ranks(stats, state.dp_size, dp_rank)
