@@ -7,7 +7,11 @@ rows, i.e. one decode token and a 32-request decode step), one run times:
 * ``fp32 F.linear``: torch's default (MKL sgemm);
 * ``fp32 oneDNN packed``: the engine's float32 path (:mod:`fleetserve.layers.cpu_gemm`);
 * ``torch.ao dynamic``: ``torch.ao.nn.quantized.dynamic.Linear`` (deprecated
-  eager API; fbgemm's per-row int8 weight, activations quantized per call);
+  eager API; fbgemm's int8 weight, one scale per tensor in its default qconfig,
+  activations quantized per call; ``--quantization int8`` calls the same
+  fbgemm op with per-row weight scales);
+* ``fbgemm fp16 weights``: ``torch.ops.quantized.linear_dynamic_fp16`` (weights
+  stored fp16, float32 math; ``--quantization fp16_weight``);
 * ``_weight_int8pack_mm``: weight-only int8 (per output channel scale),
   float32 activations (the kernel torchao's int8 weight-only path uses on CPU);
 * ``torchao int8 wo`` / ``torchao int8 dyn``: torchao's current API
@@ -80,6 +84,9 @@ def _candidates(w: torch.Tensor) -> dict[str, callable]:
         lin.weight.data.copy_(w)
         qd = nnqd.Linear.from_float(_with_qconfig(lin))
     out["torch.ao dynamic"] = qd
+
+    p16 = torch.ops.quantized.linear_prepack_fp16(w, None)
+    out["fbgemm fp16 weights"] = lambda x: torch.ops.quantized.linear_dynamic_fp16(x, p16)
 
     scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
     wq = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
@@ -155,8 +162,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--budget-s", type=float, default=1.5, help="seconds per (shape, batch) cell")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=0.6, help="seconds per (shape, batch) cell")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-doc", action="store_true")
     a = ap.parse_args()
