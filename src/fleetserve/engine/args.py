@@ -25,6 +25,7 @@ from typing import Any
 
 from fleetserve.distributed.groups import MOE_A2A_BACKENDS
 from fleetserve.engine.kv_events.config import offset_endpoint, parse_kv_events_config
+from fleetserve.layers.quantization import QUANTIZATION_CHOICES, check_quantization
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -45,6 +46,15 @@ class ServerArgs:
         served_model_name: the name ``/v1/models`` reports (default: derived from the path).
         dtype: ``auto`` (bfloat16 where the CPU/GPU runs it fast, else float32),
             ``bfloat16``, ``float16`` or ``float32``.
+        quantization: ``--quantization`` (SGLang's / vLLM's flag name): ``none`` (default,
+            exact float linears), ``int8`` (alias ``w8a8_int8``, SGLang's name): fbgemm dynamic
+            W8A8 linears on CPU (lossy), ``fp16_weight``: fp16 weights, float32 math (fbgemm), or
+            ``auto`` (fp16_weight where fbgemm runs, else none); see
+            :mod:`fleetserve.layers.quantization`. CPU modes on a non-CPU device are refused.
+        torch_num_threads: ``--torch-num-threads``: torch intra-op threads of each rank;
+            ``None`` = torch's default (the cores) for one rank, the node's cores divided
+            among its ranks for several. (Neither peer has this flag: vLLM's and SGLang's
+            CPU back-ends take ``OMP_NUM_THREADS`` / ``*_CPU_OMP_THREADS_BIND``.)
         context_length: override the model's maximum context length (tokens).
         device: ``cpu`` or ``cuda``.
 
@@ -97,6 +107,8 @@ class ServerArgs:
     context_length: int | None = None
     device: str = "cpu"
     trust_remote_code: bool = False
+    quantization: str = "none"
+    torch_num_threads: int | None = None
     skip_tokenizer_init: bool = False
 
     host: str = "127.0.0.1"
@@ -142,6 +154,9 @@ class ServerArgs:
         """Raise ``ValueError`` naming the flag when a value or combination is impossible."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_quantization(self.quantization, self.device)  # "--quantization must be one of ..."
+        if self.torch_num_threads is not None and int(self.torch_num_threads) < 1:
+            raise ValueError(f"--torch-num-threads must be >= 1, got {self.torch_num_threads}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"--schedule-policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
@@ -230,6 +245,12 @@ class ServerArgs:
         g.add_argument("--context-length", type=int, default=default("context_length"),
                        help="override the model's maximum context length")
         g.add_argument("--device", default=default("device"), help="cpu or cuda")
+        g.add_argument("--quantization", default=default("quantization"),
+                       help=f"one of {', '.join(QUANTIZATION_CHOICES)}: int8 (= w8a8_int8) fbgemm dynamic W8A8 "
+                            "linears on CPU (lossy); fp16_weight: fp16 weights, float32 math; "
+                            "auto: fp16_weight where fbgemm runs (docs/quantization.md)")
+        g.add_argument("--torch-num-threads", type=int, default=default("torch_num_threads"),
+                       help="torch threads per rank (default: the node's cores shared among its ranks)")
         g.add_argument("--trust-remote-code", action="store_true")
         g.add_argument("--skip-tokenizer-init", action="store_true")
 

@@ -35,6 +35,7 @@ from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE, ParallelSta
 from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
 from fleetserve.core.kv_pool import TokenSlotAllocator
 from fleetserve.core.forward_context import ForwardContext
+from fleetserve.layers.quantization import apply_quantization, check_quantization
 from fleetserve.engine.cuda_graph_runner import (DecodeGraphRunner, EagerDecodeGraphRunner, default_batch_sizes,
                                                  default_seq_len_buckets)
 from fleetserve.models.config import architecture, is_gguf, load_model_config, resolve_dtype
@@ -114,16 +115,19 @@ class ModelRunner:
         graph_seq_len_buckets: KV widths of the graph buffers (default:
             :func:`default_seq_len_buckets` of ``max_context_len``).
         page_size: KV slots per page (``--page-size``); the pool is rounded down to whole pages.
+        quantization: ``--quantization`` (``none``, ``int8``, ``w8a8_int8``, ``auto``; see
+            :mod:`fleetserve.layers.quantization`); applied once after the weights load.
 
     Raises:
         RuntimeError: capturing the decode graphs failed on CUDA (retry with
             ``disable_cuda_graph=True``).
-        ValueError: the KV pool is smaller than one page (names ``--page-size``).
+        ValueError: the KV pool is smaller than one page (names ``--page-size``), or a bad /
+            impossible ``quantization`` (names ``--quantization``).
 
     Attributes: ``model_config`` (the HF config), ``model``, ``vocab_size``,
     ``kv_pool`` (MHAKVPool or MLAKVPool), ``allocator``, ``max_total_tokens``,
     ``max_context_len``, ``dtype``, ``eos_token_ids``, ``kv_bytes_per_token``,
-    ``graph_runner`` (None when decode graphs are off).
+    ``graph_runner`` (None when decode graphs are off), ``quantization`` (``int8`` or ``none``, as applied).
     """
 
     def __init__(self, model_path: str | None = None, dtype: str | torch.dtype = "auto",
@@ -131,11 +135,12 @@ class ModelRunner:
                  pstate: ParallelState = SINGLE_RANK_STATE, device: str | torch.device = "cpu", show_progress: bool = True,
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int | None = None,
                  eager_graph_stand_in: bool = False, graph_seq_len_buckets: list[int] | None = None,
-                 page_size: int = 1):
+                 page_size: int = 1, quantization: str | None = "none"):
         self.model_path = model_path or default_model_path()
         self.device = torch.device(device)
         self.pstate = pstate
         self.dtype = resolve_dtype(dtype)
+        check_quantization(quantization, str(self.device))  # fail before loading the weights
         self.model_config = load_model_config(self.model_path)
         config = self.model_config
         self.vocab_size = int(config.vocab_size)
@@ -148,6 +153,7 @@ class ModelRunner:
         run_loaders(self.model.weight_loaders(source), desc=f"Loading {name}", show_progress=show_progress)
         source.close()
         self.model.to(self.device).eval()
+        self.quantization = apply_quantization(self.model, quantization, self.device)
 
         self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.dtype)
         if max_total_tokens is None:

@@ -12,8 +12,11 @@ in-process test harness (:mod:`fleetserve.testing.rank_engine`) and the offline
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from fleetserve.distributed.dp_attention import dp_schedule_rule
 from fleetserve.distributed.parallel_state import ParallelState
@@ -25,6 +28,8 @@ from fleetserve.engine.model_runner import ModelRunner
 from fleetserve.engine.rank_io import RankEndpoints, connect_rank_io
 from fleetserve.engine.scheduler import Scheduler
 from fleetserve.engine.scheduler_loop import SchedulerLoop
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -53,11 +58,17 @@ class Rank:
 
 
 def make_model_runner(args: ServerArgs, pstate: ParallelState, show_progress: bool = False) -> ModelRunner:
-    """The :class:`ModelRunner` that ``args`` describes, for the rank at ``pstate``."""
+    """The :class:`ModelRunner` that ``args`` describes, for the rank at ``pstate``.
+
+    Sets torch's thread count first when ``--torch-num-threads`` is given."""
+    if args.torch_num_threads:
+        torch.set_num_threads(int(args.torch_num_threads))
+        logger.info("--torch-num-threads %d", args.torch_num_threads)
     return ModelRunner(model_path=args.model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
                        mem_fraction_static=args.mem_fraction_static, pstate=pstate, device=args.device,
                        show_progress=show_progress, disable_cuda_graph=args.disable_cuda_graph,
-                       cuda_graph_max_bs=args.cuda_graph_max_bs, page_size=args.page_size)
+                       cuda_graph_max_bs=args.cuda_graph_max_bs, page_size=args.page_size,
+                       quantization=args.quantization)
 
 
 def build_rank(args: ServerArgs, pstate: ParallelState, *, replica: int = 0, runner: Any = None,

@@ -1,0 +1,231 @@
+"""Quantized linears on CPU (``--quantization``), made once after the weights load.
+
+Two schemes, both on fbgemm kernels that ship in torch core (``torch.ops.quantized``):
+
+* ``int8`` (alias ``w8a8_int8``, SGLang's name): W8A8 with dynamic activations.
+  Each weight is quantized once to int8, symmetric, one scale per output row
+  (``scale_o = max|W[o, :]| / 127``); at every call fbgemm quantizes the
+  activations to uint8 with one scale and zero point for the whole ``[N, in]``
+  input, multiplies in int8 with int32 accumulation and dequantizes to float32
+  (``linear_prepack`` / ``linear_dynamic``, the op behind the deprecated
+  ``torch.ao.nn.quantized.dynamic.Linear``, used here without that module API).
+  Without VNNI, fbgemm adds pairs of uint8 x int8 products in int16
+  (``vpmaddubsw``), which saturates for large activations, so activations are
+  quantized to 7 bits there (``reduce_range=True``, as PyTorch's x86 default
+  qconfig); with VNNI (``avx512_vnni`` / ``avx_vnni``) all 8 bits are used.
+  Relative error ~2% per linear; too lossy for SmolLM2-135M's greedy output
+  (docs/benchmarks.md), so it is never chosen by ``auto``.
+* ``fp16_weight`` (this project's name; neither peer has it): weights stored
+  as float16, activations and accumulation float32 (``linear_prepack_fp16`` /
+  ``linear_dynamic_fp16``). Error ~2e-4 per linear; halves the weight reads.
+
+Why these: ``benchmarks/quant_linear.py`` (docs/benchmarks.md, "Int8 linears
+vs float32") measured fbgemm int8 2-5x faster than float32 at 32 rows on
+SmolLM2's shapes on an AVX2-only EPYC, while weight-only int8
+(``torch._weight_int8pack_mm``, torchao 0.18's ``Int8WeightOnlyConfig``), torchao's
+eager ``Int8DynamicActivationInt8WeightConfig`` and ``torch._int_mm`` with per-token
+scales were all slower than float32 there.
+
+Under tensor parallelism every rank quantizes its own shard (the layers hold
+only their shard), so quantized weights are sharded exactly like float32 ones.
+What is quantized: :class:`~fleetserve.layers.linear.ColumnParallelLinear`,
+:class:`~fleetserve.layers.linear.RowParallelLinear` and
+:class:`~fleetserve.layers.linear.ParallelLMHead` (tied or not; the embedding
+lookup keeps the float32 table). MoE experts, MLA's absorbed projections and the
+embedding stay float32. The float32 weight is kept (the LM head may share it
+with the embedding), so int8 adds ~25% and fp16 ~50% weight memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Iterable
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: Values of ``--quantization``. ``w8a8_int8`` is SGLang's name for the same
+#: W8A8 int8 scheme and is accepted as an alias of ``int8``. ``fp16_weight`` is
+#: this project's own (neither peer has it): weights stored in float16, math in float32.
+QUANTIZATION_CHOICES = ("none", "int8", "w8a8_int8", "fp16_weight", "auto")
+#: Modes that need fbgemm (x86 CPU).
+CPU_MODES = ("int8", "w8a8_int8", "fp16_weight")
+
+
+def check_quantization(value: str | None, device: str = "cpu") -> None:
+    """Raise ``ValueError`` (one line naming ``--quantization``) for a bad value or device."""
+    if value is None:
+        return
+    if value not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of {QUANTIZATION_CHOICES}, got {value!r}")
+    if value in CPU_MODES and not str(device).startswith("cpu"):
+        raise ValueError(f"--quantization {value} runs on CPU only (fbgemm kernels); "
+                         f"use --quantization none or auto on {device}")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU flags of ``/proc/cpuinfo`` (empty set where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def has_vnni(flags: Iterable[str] | None = None) -> bool:
+    """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI or AVX-VNNI)."""
+    f = set(cpu_flags() if flags is None else flags)
+    return bool(f & {"avx512_vnni", "avx512vnni", "avx_vnni"})
+
+
+def fbgemm_available() -> bool:
+    """Whether torch has fbgemm's int8 / fp16 kernels here (x86 with AVX2 or better)."""
+    engines = torch.backends.quantized.supported_engines
+    cap = torch.backends.cpu.get_cpu_capability()
+    return ("fbgemm" in engines or "x86" in engines) and cap in ("AVX2", "AVX512")
+
+
+def resolve_quantization(value: str | None, device: str | torch.device = "cpu") -> str:
+    """``"int8"``, ``"fp16_weight"`` or ``"none"`` for a ``--quantization`` value on ``device``.
+
+    ``auto``: ``fp16_weight`` on a CPU where fbgemm runs (AVX2 or AVX-512), else
+    ``none`` (CUDA, other CPUs). Not int8: on SmolLM2-135M, int8 W8A8 greedy
+    continuations left float32's within the first few tokens (docs/benchmarks.md),
+    while fp16 weights kept every token and were faster than float32 too.
+    A CPU mode where fbgemm does not run raises ``ValueError``.
+    """
+    check_quantization(value, str(device))
+    dev = torch.device(device)
+    if value in (None, "none"):
+        return "none"
+    if value == "auto":
+        return "fp16_weight" if dev.type == "cpu" and fbgemm_available() else "none"
+    if not fbgemm_available():
+        raise ValueError(f"--quantization {value}: this CPU/torch build has no fbgemm kernels "
+                         f"(capability {torch.backends.cpu.get_cpu_capability()}); use --quantization none")
+    return "fp16_weight" if value == "fp16_weight" else "int8"
+
+
+def quantize_weight_per_row(weight: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-output-row int8 quantization of ``weight [out, in]`` float32.
+
+    Returns a per-channel ``torch.qint8`` tensor (axis 0) with scales
+    ``max|W[o, :]| / 127`` (rows of zeros get scale 1) and zero points 0.
+    """
+    w = weight.detach().float().contiguous()
+    amax = w.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).double()
+    zero_points = torch.zeros(w.shape[0], dtype=torch.int64)
+    with warnings.catch_warnings():  # quantized tensor creation is deprecated (the packed weight is what we keep)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
+
+
+class Int8DynamicGemm:
+    """``y = x @ W.T (+ bias)`` through fbgemm's dynamic int8 linear, for one weight.
+
+    Same call signature as :class:`~fleetserve.layers.cpu_gemm.PackedLinear`
+    (``gemm(x, weight, bias)``) so a layer can swap it in; the ``weight``
+    argument is ignored -- the int8 copy packed at construction is used.
+    ``x``: ``[..., in]`` (any float dtype; computed in float32 and cast back);
+    returns ``[..., out]``.
+    """
+
+    __slots__ = ("_packed", "_reduce_range", "out_features", "in_features")
+
+    def __init__(self, weight: torch.Tensor, reduce_range: bool | None = None) -> None:
+        if reduce_range is None:
+            reduce_range = not has_vnni()
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self._reduce_range = bool(reduce_range)
+        self._packed = torch.ops.quantized.linear_prepack(quantize_weight_per_row(weight), None)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = x.dtype
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if x2.shape[0] == 0:
+            y = x2.new_zeros(0, self.out_features)
+        else:
+            y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, self._reduce_range)
+        if bias is not None:
+            y = y + bias.float()
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if dtype == torch.float32 else y.to(dtype)
+
+
+class Fp16WeightGemm:
+    """``y = x @ W.T (+ bias)`` with ``W`` stored as float16, through fbgemm's fp16 GEMM.
+
+    fbgemm converts the fp16 weight blocks to float32 in registers (F16C) and
+    accumulates in float32, so only the weight's rounding to fp16 (relative
+    error ~2e-4 per linear) differs from float32; the weight reads are halved.
+    Kernel pair: ``torch.ops.quantized.linear_prepack_fp16`` /
+    ``torch.ops.quantized.linear_dynamic_fp16``. Same call signature as
+    :class:`Int8DynamicGemm` (the ``weight`` argument is ignored).
+    """
+
+    __slots__ = ("_packed", "out_features", "in_features")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        dtype, shape = x.dtype, x.shape
+        x2 = x.reshape(-1, shape[-1]).float()
+        if x2.shape[0] == 0:
+            y = x2.new_zeros(0, self.out_features)
+        else:
+            y = torch.ops.quantized.linear_dynamic_fp16(x2.contiguous(), self._packed)
+        if bias is not None:
+            y = y + bias.float()
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if dtype == torch.float32 else y.to(dtype)
+
+
+def _targets(model: nn.Module) -> list[nn.Module]:
+    from fleetserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
+
+
+def apply_quantization(model: nn.Module, value: str | None, device: str | torch.device = "cpu") -> str:
+    """Quantize ``model``'s linears in place per ``--quantization value``; returns the mode used.
+
+    Call after the weights are loaded. Each targeted layer's ``_gemm`` becomes an
+    :class:`Int8DynamicGemm` or :class:`Fp16WeightGemm` of its (shard of the)
+    weight. Logs the choice.
+
+    Raises:
+        ValueError: bad value, or int8 asked for where it cannot run (names ``--quantization``).
+    """
+    mode = resolve_quantization(value, device)
+    if mode == "none":
+        if value == "auto":
+            logger.info("--quantization auto: float32 linears (no fbgemm int8 kernels on %s)", device)
+        return "none"
+    layers = _targets(model)
+    if mode == "fp16_weight":
+        for m in layers:
+            m._gemm = Fp16WeightGemm(m.weight)
+        logger.info("--quantization %s: %d linears with fp16 weights (fbgemm, float32 math; CPU capability %s)",
+                    value, len(layers), torch.backends.cpu.get_cpu_capability())
+        return mode
+    reduce_range = not has_vnni()
+    for m in layers:
+        m._gemm = Int8DynamicGemm(m.weight, reduce_range=reduce_range)
+    logger.info("--quantization %s: %d linears int8 (fbgemm dynamic W8A8, per-row weight scales, "
+                "%d-bit activations: VNNI %s; CPU capability %s)", value, len(layers),
+                7 if reduce_range else 8, "no" if reduce_range else "yes", torch.backends.cpu.get_cpu_capability())
+    return "int8"
