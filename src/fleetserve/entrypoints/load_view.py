@@ -41,13 +41,13 @@ The body's top level has SGLang's ``timestamp`` (UTC ISO 8601), ``version``,
 
 from __future__ import annotations
 
+import importlib.metadata
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from fleetserve import __version__
 from fleetserve.engine.io_struct import SchedulerStats
 
 # SGLang's GetLoadsReqInput.VALID_SECTIONS; only "core" has figures here.
@@ -67,6 +67,11 @@ PROMETHEUS_FIELDS = {
     "utilization": "Utilization (always 0)",
     "max_running_requests": "Maximum running requests",
 }
+
+try:  # the installed package's version, read from its metadata (not from the package root, a floor above)
+    _VERSION = importlib.metadata.version("fleetserve")
+except importlib.metadata.PackageNotFoundError:
+    _VERSION = "unknown"
 
 
 def parse_include(include: str | None) -> set[str]:
@@ -183,7 +188,7 @@ def loads_body(stats: list[SchedulerStats], num_accelerators: int) -> dict[str, 
     loads = [rank_load(s) for s in stats]
     return {
         "timestamp": datetime.now(timezone.utc).isoformat(),
-        "version": __version__,
+        "version": _VERSION,
         "dp_rank_count": len(loads),
         "accelerator": None,
         "num_accelerators": num_accelerators,
