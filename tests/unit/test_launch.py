@@ -25,6 +25,21 @@ def test_printed_example_is_greedy_json():
     assert body["messages"][0]["role"] == "user"
 
 
+@pytest.mark.parametrize("argv,key", [
+    ([], None),
+    (["--api-key", "inst"], "inst"),  # instances' key: the router forwards the client's header to them
+    (["--router-args", "--api-key rk"], "rk"),  # the router's own key is the one a client must send
+    (["--api-key", "inst", "--router-args", "--api-key=rk --policy random"], "rk"),
+])
+def test_printed_example_carries_the_key_a_client_needs(argv, key):
+    args, instance_args = launch.build_parser().parse_known_args(argv)
+    assert launch.client_api_key(args, instance_args) == key
+    line = launch.curl_example("http://127.0.0.1:8000", launch.client_api_key(args, instance_args))
+    assert line.startswith("curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json'")
+    assert (f"-H 'Authorization: Bearer {key}'" in line) is (key is not None)
+    assert line.endswith(f"-d '{launch.EXAMPLE_BODY}'")
+
+
 @pytest.mark.parametrize("argv,flags", [
     ([], ["--disable-uvicorn-access-log"]),
     (["--access-log"], []),

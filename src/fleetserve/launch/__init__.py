@@ -195,6 +195,19 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
+def client_api_key(args: argparse.Namespace, instance_args: list[str]) -> str | None:
+    """The key a client must send through the router: the router's own ``--api-key`` (in
+    ``--router-args``) when set, else the instances' ``--api-key`` (the router forwards the
+    client's ``Authorization`` to them); None when neither is set."""
+    return _flag_value(shlex.split(args.router_args), "--api-key") or _flag_value(instance_args, "--api-key")
+
+
+def curl_example(url: str, key: str | None) -> str:
+    """The greedy chat request ``launch`` prints once the router is ready (with the key when one is needed)."""
+    auth = f" -H 'Authorization: Bearer {key}'" if key else ""
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{EXAMPLE_BODY}'"
+
+
 def router_tokenizer_args(args: argparse.Namespace, instance_args: list[str]) -> list[str]:
     """``["--tokenizer-path", DIR]`` for a kv_aware router in front of engines, unless given in --router-args.
 
@@ -243,6 +256,7 @@ class Launcher:
 
     def __init__(self, args: argparse.Namespace, instance_args: list[str]):
         self.args = args
+        self.client_key = client_api_key(args, instance_args)
         self.stopping = False
         log_dir = Path(args.log_dir) if args.log_dir else None
         if log_dir:
@@ -347,8 +361,7 @@ class Launcher:
                 return 0 if self.stopping else 1
             print(f"[launch] router ready: {self.router_url} ({effective_policy(self.args)}, "
                   f"{len(self.workers)} instances)\n"
-                  f"[launch] try: curl {self.router_url}/v1/chat/completions -H 'Content-Type: application/json' "
-                  f"-d '{EXAMPLE_BODY}'\n"
+                  f"[launch] try: {curl_example(self.router_url, self.client_key)}\n"
                   f"[launch] (greedy; set \"temperature\" above 0, e.g. 0.7, to sample)", flush=True)
             while not self.stopping:
                 time.sleep(0.5)
