@@ -145,9 +145,9 @@ def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
             load_tokenizer(path)
         path = folder
     # --kv-loads-interval-secs 0: this test checks routing on events and the router's tokenization. With
-    # the loads correction on, the engine's /v1/loads figures send this request to the sim-worker (open
-    # bug seen at stop 18, cause not yet found; suspected: tokens still counted in use at --page-size 16
-    # after the direct request ended). The correction itself: tests/unit/router/test_kv_aware_engine_loads.py.
+    # the loads correction on, the engine's /v1/loads figures send this request to the sim-worker (seen at
+    # stop 18, cause not confirmed; likely the snapshot polled while the direct request ran is still
+    # "fresh" (3 intervals) when this one arrives). The correction itself: test_kv_aware_engine_loads.py.
     router, _ = procs.router([sim, engine], "--policy", "kv_aware", "--kv-speculative-ttl-secs", "0",
                              "--kv-loads-interval-secs", "0", "--tokenizer-path", path)
     wait_metric(router, rf'fleetserve_router_kv_stream_state{{dp_rank="0",state="(fallback|exact|degraded)",'
