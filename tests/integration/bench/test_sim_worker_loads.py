@@ -144,7 +144,7 @@ async def test_server_info_finds_each_workers_stream_and_an_abort_publishes_at_o
                 if n == 5:
                     break
         m = await asyncio.to_thread(sub.recv, 5.0)
-        assert m is not None
+        assert m is not None, "the prompt's page was never published"
         (first,) = batch_of(m)[1]
         assert first["type"] == "BlockStored" and first["token_ids"] == prompt
         # the abort hands prompt + outputs to the tree: published without any later request

@@ -9,32 +9,11 @@ import torch
 from fleetserve.core.forward_batch import ForwardMode
 from fleetserve.engine.io_struct import TokenizedGenerateReq
 from fleetserve.engine.sampling_params import SamplingParams
+from helpers.scheduler_driver import prompt, run
 
 
 def greedy(n, **kw):
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-def run(sched, reqs, max_steps=5000):
-    """Add all requests, step until done. Returns rid -> (output ids, last ReqOutput)."""
-    toks = {}
-    last = {}
-    for r in reqs:
-        for o in sched.add_request(r):
-            last[o.rid] = o
-    for _ in range(max_steps):
-        if not sched.has_work():
-            break
-        for o in sched.step():
-            toks.setdefault(o.rid, []).extend(o.new_token_ids)
-            last[o.rid] = o
-    assert not sched.has_work(), "scheduler did not finish"
-    return {rid: (toks.get(rid, []), o) for rid, o in last.items()}
-
-
-def prompt(seed, n, vocab=50):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (n,), generator=g).tolist()
 
 
 def test_shared_prefix_radix_on_off_same_tokens_exact_reuse(make_sched):
