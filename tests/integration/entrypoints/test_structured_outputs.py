@@ -10,16 +10,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+
+from helpers.serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -84,32 +83,11 @@ def server():
     cmd = [sys.executable, "-m", "fleetserve.cli", "serve", "--port", str(port), "--max-total-tokens", "4096",
            "--log-level", "warning", "--tool-call-parser", "qwen25"]
     log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fleetserve-structured-{port}.log"), "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT
     try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not become healthy in time")
-            time.sleep(0.5)
-        yield base
+        with serve_process(cmd, base, log, env, STARTUP_TIMEOUT):
+            yield base
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         log.close()
 
 
