@@ -31,10 +31,11 @@ TP 2 and under DP attention 2, and more requests arrive than TP's pool holds at
 once. Under TP both ranks mirror one scheduler's latent KV, so the batch is what
 one pool holds and the rest wait (or are retracted); under DP attention each rank
 holds its own requests, so the instance runs about twice the batch. Reported per
-layout: decode tok/s, output tok/s and wall time of the whole run, the instance's
-mean / max decode batch and running requests, retractions, and the decode step
-and collective times; a third row (TP 2 with twice the KV, a reference) splits
-the gain into batch size and layout.
+layout: decode tok/s, output tok/s and wall time of the whole run, decode tokens
+per CPU-second of both rank processes (``time.process_time``; the figure that
+survives a shared machine), the instance's mean / max decode batch and running
+requests, retractions, and the decode step and collective times; a third row
+(TP 2 with twice the KV, a reference) splits the gain into batch size and layout.
 
     python benchmarks/parallel_decode.py                 # all parts; writes docs/benchmarks.md
     python benchmarks/parallel_decode.py --no-write --new-tokens 16
@@ -246,8 +247,14 @@ def summarize_capacity(per_rank: list[dict], new_tokens: int, n_requests: int) -
     """The instance's view of one capacity run (attention-group leaders added step by step).
 
     decode tok/s: tokens made by DECODE forwards (all groups) / wall time of the steps in which
-    any group decoded (rank 0's clock). Running batch: requests holding KV in all groups after
-    a step, over steps where any request ran.
+    any group decoded (rank 0's clock). decode tok per CPU-s: the same tokens / CPU time of every
+    rank process in those steps (under DP attention a step where one group prefills while the
+    other decodes counts whole, which weighs slightly against DP attention). Running batch:
+    requests holding KV in all groups after a step, over steps where any request ran.
+
+    Raises:
+        AssertionError: the ranks took different step counts, a request did not produce all its
+        tokens or did not finish by length, or KV was still held at the end.
     """
     leaders = [r for r in per_rank if r["leader"]]
     n_steps = len(per_rank[0]["steps"])
