@@ -85,3 +85,31 @@ def capacity_job(rank, world, model_dir, sizes, max_total_tokens, prompts, n_new
     return {"attn_dp_rank": ps.attn_dp_rank, "attn_tp_rank": ps.attn_tp_rank, "kv_pool_size": st.kv_pool_size,
             "kv_bytes_per_token": st.kv_bytes_per_token, "peak_used": peak[0],
             "finished": sorted(r for r, v in out["reqs"].items() if v["finish_reason"] is not None)}
+
+
+def retract_job(rank, world, model_dir, sizes, max_total_tokens, conservativeness, plan):
+    """Attention group ``d`` gets ``plan[d]`` (``(rid, prompt, n_new)`` each) at step 0 in a small KV pool with a
+    low ``--schedule-conservativeness``, so that it admits more than its pool can grow into
+    and must retract. The KV invariant is checked after every step."""
+    eng = build_rank_engine(rank, model_dir, timeout_s=rank_pool.TIMEOUT_S, dtype="float32",
+                            max_total_tokens=max_total_tokens, chunked_prefill_size=-1,
+                            schedule_conservativeness=conservativeness, **sizes)
+    ps, sched = eng.pstate, eng.scheduler
+    modes, running = [], []
+    forward = eng.runner.forward
+
+    def counting(batch):
+        modes.append(batch.mode.name)
+        return forward(batch)
+
+    def watch(_i, s):
+        s.check_kv()
+        running.append(len(s.running))
+
+    eng.runner.forward = counting
+    reqs = [greedy_req(rid, p, n) for rid, p, n in plan[ps.attn_dp_rank]]
+    out = drive(eng, {0: reqs}, on_step=watch)
+    final = sched.get_stats()
+    return {"reqs": {rid: (r["ids"], r["finish_reason"]) for rid, r in out["reqs"].items()},
+            "retracted": sched.num_retracted, "modes": modes, "steps": out["steps"], "max_running": max(running),
+            "kv_used_end": final.kv_used_tokens, "kv_pool": final.kv_pool_size}

@@ -81,3 +81,41 @@ def test_dp_attention_holds_dp_size_times_the_tokens_of_tp(pool2, tiny_deepseek_
     assert cap_dp == 2 * cap_tp == 2 * 160
     # Four 64-token requests: TP fits two at a time (<= 160), DP attention all four at once.
     assert peak_tp <= cap_tp < peak_dp <= cap_dp
+
+
+RETRACT_PLAN = {  # group 0: four requests whose decode outgrows its pool; group 1: one long one, no pressure
+    0: [(f"g0r{i}", [256] + [(11 * i + 3 * j) % 250 for j in range(11)], 20) for i in range(4)],
+    1: [("g1r0", [256, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], 60)],
+}
+
+
+def test_dp_attention_retraction_on_one_group_keeps_tokens_and_lockstep(pool2, tiny_deepseek_v3_dir):
+    """Group 0 admits 4 x 12-token prompts into 100 KV slots (low conservativeness: a small decode
+    reserve), then 4 x (12 + 20) = 128 tokens do not fit: it retracts and later re-prefills the
+    retracted requests (EXTEND) while group 1 still decodes its long request, and every output
+    equals the single-rank engine's (ample pool, no retraction)."""
+    from fleetserve.testing.rank_engine import build_rank_engine, drive
+    from parallel_jobs import greedy_req
+
+    plan = RETRACT_PLAN
+    ref_eng = build_rank_engine(0, tiny_deepseek_v3_dir, dtype="float32", max_total_tokens=512)
+    ref = drive(ref_eng, {0: [greedy_req(rid, p, n) for g in plan.values() for rid, p, n in g]})["reqs"]
+    assert ref_eng.scheduler.num_retracted == 0
+    sizes = dict(tp_size=2, dp_size=2, enable_dp_attention=True)
+    r0, r1 = pool2.run(JOBS, "retract_job", tiny_deepseek_v3_dir, sizes, 100, 0.3, plan, timeout=120)
+    assert r0["kv_pool"] == r1["kv_pool"] == 100
+    assert r0["retracted"] >= 1 and r1["retracted"] == 0, (r0["retracted"], r1["retracted"])
+    assert r0["max_running"] == 4  # all four were admitted before the pool ran short
+    for out, group in ((r0, 0), (r1, 1)):
+        want = {rid: n for rid, _, n in plan[group]}
+        assert sorted(out["reqs"]) == sorted(want)
+        for rid, (ids, finish) in out["reqs"].items():
+            assert finish == {"type": "length", "length": want[rid]}, (rid, finish)
+            assert ids == ref[rid]["ids"], f"{rid}: tokens differ from the single-rank engine after retraction"
+        assert out["kv_used_end"] == 0
+    # Lock-step: both groups ran the same number of forwards; group 0 re-prefilled a retracted
+    # request while group 1 decoded, and ran IDLE batches once its requests were done.
+    assert r0["steps"] == r1["steps"] and len(r0["modes"]) == len(r1["modes"])
+    modes = list(zip(r0["modes"], r1["modes"]))
+    assert any(a == "EXTEND" and b == "DECODE" for a, b in modes[1:]), modes
+    assert modes[-1] == ("IDLE", "DECODE"), modes[-1]
