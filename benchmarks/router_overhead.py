@@ -10,6 +10,16 @@ insert of a 4 KB prompt on a tree of >= 2^20 characters) in-process.
     python benchmarks/router_overhead.py                       # 3 repeats, c=16,128, cache_aware
     python benchmarks/router_overhead.py --repeats 1 --duration 5 --no-write
     python benchmarks/router_overhead.py --decision-only
+    python benchmarks/router_overhead.py --kv-aware             # + kv_aware with --tokenizer-path (SmolLM2)
+
+``--kv-aware`` adds two more fleetserve targets: ``--policy kv_aware
+--tokenizer-path <the built-in SmolLM2's tokenizer>`` with the router's fast
+byte-level BPE encoder (``fleetserve-kv_aware``) and with
+``FLEETSERVE_ROUTER_FAST_TOKENIZE=0``, i.e. ``tokenizers.Tokenizer.encode``
+(``fleetserve-kv_aware-libtok``).  The fake workers publish no KV events, so
+kv_aware routes in its fallback branch (the approximate tree, over token ids)
+and every request is tokenized: this measures tokenization + kv_aware's
+bookkeeping, not event handling.
 
 Needs ``wrk`` (Debian) and the peers venv ``/tmp/peers`` with sglang-router and
 smg (``--install`` lets the stick's run_bench.sh install both).  Writes the
@@ -31,7 +41,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-STICK = Path(os.environ.get("ROUTER_BENCH_DIR", REPO.parent / "shared" / "bench" / "router-overhead"))
+# ../shared beside a checkout, or ../../shared beside a worktree in a folder of worktrees
+STICK = Path(os.environ.get("ROUTER_BENCH_DIR") or next(
+    (p for p in (REPO.parent / "shared" / "bench" / "router-overhead",
+                 REPO.parent.parent / "shared" / "bench" / "router-overhead") if p.is_dir()),
+    REPO.parent / "shared" / "bench" / "router-overhead"))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "src"))
 
@@ -41,9 +55,37 @@ def ours_template() -> str:
             f"--policy {{policy}} --prometheus-host {{host}} --prometheus-port {{metrics_port}} --log-level warn")
 
 
+def smollm2_tokenizer_dir() -> str:
+    """The built-in model's tokenizer directory (tokenizer.json + config + chat template), converted once."""
+    from fleetserve.models.config import is_gguf
+    from fleetserve.models.registry import default_model_path
+    from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
+
+    path = default_model_path()
+    if is_gguf(path):
+        folder = tokenizer_cache_dir(path)
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            load_tokenizer(path)
+        return folder
+    return path
+
+
+def kv_templates(tokenizer_dir: str) -> list[str]:
+    """``NAME=TEMPLATE`` entries for the stick: kv_aware with the fast encoder and with the library's."""
+    t = ours_template().replace("--policy {policy}", f"--policy kv_aware --tokenizer-path {shlex.quote(tokenizer_dir)}")
+    return [f"fleetserve-kv_aware={t}", f"fleetserve-kv_aware-libtok=FLEETSERVE_ROUTER_FAST_TOKENIZE=0 {t}"]
+
+
+FIXED_POLICY = {"fleetserve-kv_aware": "kv_aware", "fleetserve-kv_aware-libtok": "kv_aware"}
+
+
 def run_stick(args) -> dict:
     out = Path(args.out_dir)
-    cmd = [str(STICK / "run_bench.sh"), "--routers", args.peers, "--router", f"fleetserve={ours_template()}",
+    extra = []
+    if args.kv_aware:
+        for entry in kv_templates(smollm2_tokenizer_dir()):
+            extra += ["--router", entry]
+    cmd = [str(STICK / "run_bench.sh"), "--routers", args.peers, "--router", f"fleetserve={ours_template()}", *extra,
            "--policies", args.policies, "--concurrency", args.concurrency, "--duration", str(args.duration),
            "--repeats", str(args.repeats), "--no-direct-k", "--out-dir", str(out)]
     env = dict(os.environ)
@@ -76,7 +118,8 @@ def overhead_table(results: dict) -> str:
     groups: dict[tuple, list] = {}
     for r in results["rows"]:
         groups.setdefault((r["target"], r["policy"], r["concurrency"]), []).append(r)
-    order = {"direct-1": 0, "fleetserve": 1, "sglang-router": 2, "smg": 3}
+    order = {"direct-1": 0, "fleetserve": 1, "fleetserve-kv_aware": 2, "fleetserve-kv_aware-libtok": 3,
+             "sglang-router": 4, "smg": 5}
     lines = ["| router | policy | conc | req/s (each run) | req/s median | p50 ms median | p99 ms (each run) "
              "| p99 ms median | errors | router CPU µs/req (each run) | router CPU µs/req median "
              "| cpu1 busy % median | requests per worker (last run) |",
@@ -86,7 +129,7 @@ def overhead_table(results: dict) -> str:
         med_cpu = _med(rows, "router_cpu_us_per_req")
         busy = statistics.median(r["cpu_busy_pct"]["cpu1"] for r in rows)
         lines.append(
-            f"| {target} | {policy or '-'} | {conc} | {_runs(rows, 'rps')} | {_med(rows, 'rps'):.0f} "
+            f"| {target} | {policy or FIXED_POLICY.get(target, '-')} | {conc} | {_runs(rows, 'rps')} | {_med(rows, 'rps'):.0f} "
             f"| {_med(rows, 'p50_ms'):.2f} | {_runs(rows, 'p99_ms', 2)} | {_med(rows, 'p99_ms'):.2f} "
             f"| {sum(r['errors'] for r in rows)} | {_runs(rows, 'router_cpu_us_per_req')} "
             f"| {'-' if med_cpu is None else f'{med_cpu:.0f}'} | {busy:.0f} "
@@ -138,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default="/tmp/fleetserve-router-overhead")
     ap.add_argument("--install", action="store_true", help="let run_bench.sh install wrk and the peers venv")
     ap.add_argument("--max-minutes", type=float, default=30)
+    ap.add_argument("--kv-aware", action="store_true",
+                    help="also run fleetserve --policy kv_aware --tokenizer-path <SmolLM2> (fast and library encoder)")
     ap.add_argument("--decision-only", action="store_true")
     ap.add_argument("--no-write", action="store_true", help="print, do not write docs/benchmarks.md")
     args = ap.parse_args(argv)

@@ -20,6 +20,17 @@ Which ids a request gets (:meth:`RouterTokenizer.request_ids`):
 
 A batch (a list of prompts) or anything that does not fit gives None: the
 request is then routed by its text alone.
+
+Encoding goes through :class:`.fast_bpe.ByteLevelBPE` (the same ids, 3-4x less
+CPU) when the tokenizer is a byte-level BPE of a shape it knows and passes its
+self-check; otherwise through ``Tokenizer.encode``.  The environment variable
+``FLEETSERVE_ROUTER_FAST_TOKENIZE=0`` turns the fast encoder off (to compare).
+
+Where it runs (:meth:`RouterTokenizer.inline`): with the fast encoder, a
+request whose text is at most :data:`INLINE_MAX_CHARS` characters is tokenized
+on the event loop (about 0.1-0.3 ms for 2 KB; the encoder holds the GIL
+anyway, so a thread would only add the hand-off); longer ones, and every
+request without the fast encoder, go to the policy's thread pool.
 """
 
 from __future__ import annotations
@@ -30,6 +41,9 @@ from datetime import datetime
 
 from tokenizers import Tokenizer
 
+from .fast_bpe import ByteLevelBPE
+
+INLINE_MAX_CHARS = 8192  # longer texts are tokenized on a thread (see the module docstring)
 _CONTEXT_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -57,6 +71,10 @@ class RouterTokenizer:
         except Exception as e:  # tokenizers raises Exception subclasses from Rust
             raise ValueError(f"cannot read {tok_file}: {e}") from None
         self.path = path
+        self.fast = None  # a ByteLevelBPE, or None: Tokenizer.encode
+        if os.environ.get("FLEETSERVE_ROUTER_FAST_TOKENIZE", "1") != "0":
+            with open(tok_file, encoding="utf-8") as f:
+                self.fast = ByteLevelBPE.from_tokenizer(self.tokenizer, json.load(f))
         cfg = {}
         cfg_file = os.path.join(folder, "tokenizer_config.json")
         if os.path.isfile(cfg_file):
@@ -78,6 +96,8 @@ class RouterTokenizer:
 
     # ------------------------------------------------------------ encoding
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.fast is not None:
+            return self.fast.encode(text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(self, messages: list, tools=None, add_generation_prompt: bool = True,
@@ -103,6 +123,24 @@ class RouterTokenizer:
             if cut >= 0:
                 text = text[:cut + len(final)]
         return text
+
+    def inline(self, path: str, body: dict) -> bool:
+        """True when ``body`` is cheap enough to tokenize on the event loop (see the module docstring)."""
+        if self.fast is None:
+            return False
+        if path == "/v1/chat/completions":
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or len(msgs) > 64:
+                return False
+            size = 0
+            for m in msgs:
+                c = m.get("content") if isinstance(m, dict) else None
+                if c is not None and not isinstance(c, str):
+                    return False
+                size += len(c or "")
+            return size <= INLINE_MAX_CHARS and not body.get("tools")
+        prompt = body.get("prompt") if path == "/v1/completions" else body.get("text")
+        return isinstance(prompt, str) and len(prompt) <= INLINE_MAX_CHARS
 
     def request_ids(self, path: str, body: dict) -> list[int] | None:
         """Token ids of one request body (see the module docstring); None when it has none to give."""
