@@ -139,3 +139,23 @@ def test_router_tokenizer_uses_it_and_env_turns_it_off(smollm2, monkeypatch):
     chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": s + " 你好"}]}
     assert rt.request_ids("/v1/chat/completions", chat) == slow.request_ids("/v1/chat/completions", chat)
     assert rt.request_ids("/v1/completions", {"prompt": s}) == slow.request_ids("/v1/completions", {"prompt": s})
+
+
+async def test_prepare_tokenizes_short_prompts_inline_and_long_ones_on_the_pool(smollm2):
+    from fleetserve.router.kv_events.policy import KvAwarePolicy
+    from fleetserve.router.kv_events.tokenize import INLINE_MAX_CHARS, RouterTokenizer
+
+    tok, _, _ = smollm2
+    policy = KvAwarePolicy(tokenizer=RouterTokenizer(tokenizer_cache_dir(default_model_path())))
+    try:
+        short = "The quick brown fox jumps over the lazy dog. " * 10
+        long = "The quick brown fox jumps over the lazy dog, 你好. " * (INLINE_MAX_CHARS // 40)
+        assert policy.tokenizer.inline("/v1/completions", {"prompt": short})
+        assert not policy.tokenizer.inline("/v1/completions", {"prompt": long})
+        for prompt in (short, long):
+            key = await policy.prepare("/v1/completions", {"prompt": prompt, "max_tokens": 7}, prompt)
+            assert key.tokens == tok.encode(prompt).ids and key.prompt_tokens == len(key.tokens)
+            assert key.decode_tokens == 7
+            assert key.tree_text() is key.tree_text()  # built once
+    finally:
+        policy.close()
