@@ -12,9 +12,10 @@ insert of a 4 KB prompt on a tree of >= 2^20 characters) in-process.
     python benchmarks/router_overhead.py --decision-only
     python benchmarks/router_overhead.py --kv-aware             # + kv_aware with --tokenizer-path (SmolLM2)
 
-``--kv-aware`` adds two more fleetserve targets: ``--policy kv_aware
+``--kv-aware`` adds three more fleetserve targets: ``--policy kv_aware
 --tokenizer-path <the built-in SmolLM2's tokenizer>`` with the router's fast
-byte-level BPE encoder (``fleetserve-kv_aware``) and with
+byte-level BPE encoder (``fleetserve-kv_aware``), the same plus
+``--tokenizer-cache-enable-l0`` (``fleetserve-kv_aware-l0``), and with
 ``FLEETSERVE_ROUTER_FAST_TOKENIZE=0``, i.e. ``tokenizers.Tokenizer.encode``
 (``fleetserve-kv_aware-libtok``).  The fake workers publish no KV events, so
 kv_aware routes in its fallback branch (the approximate tree, over token ids)
@@ -73,10 +74,12 @@ def smollm2_tokenizer_dir() -> str:
 def kv_templates(tokenizer_dir: str) -> list[str]:
     """``NAME=TEMPLATE`` entries for the stick: kv_aware with the fast encoder and with the library's."""
     t = ours_template().replace("--policy {policy}", f"--policy kv_aware --tokenizer-path {shlex.quote(tokenizer_dir)}")
-    return [f"fleetserve-kv_aware={t}", f"fleetserve-kv_aware-libtok=FLEETSERVE_ROUTER_FAST_TOKENIZE=0 {t}"]
+    return [f"fleetserve-kv_aware={t}", f"fleetserve-kv_aware-l0={t} --tokenizer-cache-enable-l0",
+            f"fleetserve-kv_aware-libtok=FLEETSERVE_ROUTER_FAST_TOKENIZE=0 {t}"]
 
 
-FIXED_POLICY = {"fleetserve-kv_aware": "kv_aware", "fleetserve-kv_aware-libtok": "kv_aware"}
+FIXED_POLICY = {"fleetserve-kv_aware": "kv_aware", "fleetserve-kv_aware-l0": "kv_aware",
+                "fleetserve-kv_aware-libtok": "kv_aware"}
 
 
 def run_stick(args) -> dict:
@@ -118,8 +121,8 @@ def overhead_table(results: dict) -> str:
     groups: dict[tuple, list] = {}
     for r in results["rows"]:
         groups.setdefault((r["target"], r["policy"], r["concurrency"]), []).append(r)
-    order = {"direct-1": 0, "fleetserve": 1, "fleetserve-kv_aware": 2, "fleetserve-kv_aware-libtok": 3,
-             "sglang-router": 4, "smg": 5}
+    order = {"direct-1": 0, "fleetserve": 1, "fleetserve-kv_aware": 2, "fleetserve-kv_aware-l0": 3,
+             "fleetserve-kv_aware-libtok": 4, "sglang-router": 5, "smg": 6}
     lines = ["| router | policy | conc | req/s (each run) | req/s median | p50 ms median | p99 ms (each run) "
              "| p99 ms median | errors | router CPU µs/req (each run) | router CPU µs/req median "
              "| cpu1 busy % median | requests per worker (last run) |",
@@ -257,7 +260,10 @@ def main(argv=None) -> int:
                 "the fallback branch (the approximate radix tree over the token ids) and no event handling is "
                 "measured; what is measured is tokenizing every request plus kv_aware's bookkeeping (tree over "
                 "ids, token loads, route header). `fleetserve-kv_aware` uses the router's fast encoder "
-                "(`fast_bpe.py`), `fleetserve-kv_aware-libtok` the same router with "
+                "(`fast_bpe.py`, the default), `fleetserve-kv_aware-l0` adds `--tokenizer-cache-enable-l0` "
+                "(sglang-router's exact-text cache, off by default; the stick's 200 bodies repeat, so after "
+                "warm-up every request hits it: an upper bound, not a typical workload), "
+                "`fleetserve-kv_aware-libtok` is the default router with "
                 "`FLEETSERVE_ROUTER_FAST_TOKENIZE=0` (`tokenizers.Tokenizer.encode` on a thread). sglang-router "
                 "and smg's cache_aware do not tokenize (they route on the text), so the fair reading is: "
                 "kv_aware's req/s next to their cache_aware's.")

@@ -159,3 +159,53 @@ async def test_prepare_tokenizes_short_prompts_inline_and_long_ones_on_the_pool(
             assert key.tree_text() is key.tree_text()  # built once
     finally:
         policy.close()
+
+
+def test_l0_cache_gives_the_uncached_ids_and_stays_bounded():
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+
+    folder = tokenizer_cache_dir(default_model_path())
+    plain, cached = RouterTokenizer(folder), RouterTokenizer(folder, l0_max_entries=3)
+    texts = [f"prompt {i}: the router cache" for i in range(5)]
+    for t in texts:
+        for special in (True, False):
+            for _ in range(2):  # a miss, then a hit
+                ids = cached.encode(t, special)
+                assert ids == plain.encode(t, special)
+                ids.append(-1)  # the caller owns the list: the cache is not changed through it
+    assert len(cached.l0) == 3 and cached.l0_hits == 10 and cached.l0_misses == 10
+    assert (texts[0], True) not in cached.l0 and (texts[-1], False) in cached.l0  # the oldest went first
+    assert cached.encode(texts[-1]) == plain.encode(texts[-1])
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert cached.request_ids("/v1/chat/completions", chat) == plain.request_ids("/v1/chat/completions", chat)
+    hits = cached.l0_hits
+    assert cached.request_ids("/v1/chat/completions", chat) == plain.request_ids("/v1/chat/completions", chat)
+    assert cached.l0_hits == hits + 1  # the rendered chat text is the key
+    assert plain.l0 == {} and plain.l0_hits == 0  # off by default, as sglang-router's
+
+
+def test_l0_flags_are_sglang_routers_and_reach_the_tokenizer():
+    import subprocess
+    import sys
+
+    from fleetserve.router.config import parse_args
+    from fleetserve.router.kv_events.flags import make_kv_aware
+
+    folder = tokenizer_cache_dir(default_model_path())
+    cfg = parse_args(["--policy", "kv_aware", "--tokenizer-path", folder, "--tokenizer-cache-enable-l0",
+                      "--tokenizer-cache-l0-max-entries", "7"])
+    policy = make_kv_aware(cfg)
+    try:
+        assert policy.tokenizer.l0_max_entries == 7
+    finally:
+        policy.close()
+    policy = make_kv_aware(parse_args(["--policy", "kv_aware", "--tokenizer-path", folder,
+                                       "--tokenizer-cache-l0-max-entries", "7"]))
+    try:
+        assert policy.tokenizer.l0_max_entries == 0  # not enabled
+    finally:
+        policy.close()
+    out = subprocess.run([sys.executable, "-m", "fleetserve.cli", "router", "--policy", "kv_aware",
+                          "--tokenizer-path", folder, "--tokenizer-cache-l0-max-entries", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--tokenizer-cache-l0-max-entries" in out.stderr.strip().splitlines()[-1]

@@ -26,6 +26,11 @@ CPU) when the tokenizer is a byte-level BPE of a shape it knows and passes its
 self-check; otherwise through ``Tokenizer.encode``.  The environment variable
 ``FLEETSERVE_ROUTER_FAST_TOKENIZE=0`` turns the fast encoder off (to compare).
 
+With ``l0_max_entries`` > 0 (``--tokenizer-cache-enable-l0``, sglang-router's
+L0 cache) the ids of each encoded text are remembered, keyed by the exact text,
+for at most that many texts (first in, first out): a repeated prompt or
+rendered chat skips the encoder.
+
 Where it runs (:meth:`RouterTokenizer.inline`): with the fast encoder, a
 request whose text is at most :data:`INLINE_MAX_CHARS` characters is tokenized
 on the event loop (about 0.1-0.3 ms for 2 KB; the encoder holds the GIL
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from datetime import datetime
 
 from tokenizers import Tokenizer
@@ -58,7 +64,7 @@ def _token_text(v) -> str | None:
 class RouterTokenizer:
     """A tokenizer and chat template read from ``path``; raises ``ValueError`` naming what is missing."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, l0_max_entries: int = 0) -> None:
         path = os.path.abspath(os.path.expanduser(path))
         if os.path.isdir(path):
             folder, tok_file = path, os.path.join(path, "tokenizer.json")
@@ -71,6 +77,10 @@ class RouterTokenizer:
         except Exception as e:  # tokenizers raises Exception subclasses from Rust
             raise ValueError(f"cannot read {tok_file}: {e}") from None
         self.path = path
+        self.l0_max_entries = l0_max_entries
+        self.l0: dict[tuple[str, bool], list[int]] = {}  # (text, add_special_tokens) -> ids, oldest first
+        self.l0_hits = self.l0_misses = 0
+        self._l0_lock = threading.Lock()
         self.fast = None  # a ByteLevelBPE, or None: Tokenizer.encode
         if os.environ.get("FLEETSERVE_ROUTER_FAST_TOKENIZE", "1") != "0":
             with open(tok_file, encoding="utf-8") as f:
@@ -96,9 +106,23 @@ class RouterTokenizer:
 
     # ------------------------------------------------------------ encoding
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (a new list the caller may keep)."""
+        if self.l0_max_entries:
+            ids = self.l0.get((text, add_special_tokens))
+            if ids is not None:
+                self.l0_hits += 1
+                return list(ids)
+            self.l0_misses += 1
         if self.fast is not None:
-            return self.fast.encode(text, add_special_tokens)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+            ids = self.fast.encode(text, add_special_tokens)
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if self.l0_max_entries:
+            with self._l0_lock:  # pool threads may insert at once
+                while len(self.l0) >= self.l0_max_entries:
+                    del self.l0[next(iter(self.l0))]
+                self.l0[(text, add_special_tokens)] = tuple(ids)
+        return ids
 
     def render_chat(self, messages: list, tools=None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, extra: dict | None = None) -> str:
