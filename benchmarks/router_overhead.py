@@ -174,6 +174,20 @@ def time_decision(tree_chars: int = 1 << 20, prompt_chars: int = 4096, n: int = 
             "tree_end": policy.tree.total_size, "n": n, "hits": policy.hits, "misses": policy.misses}
 
 
+def _cpu_model() -> str:
+    """lscpu's model name (or platform.processor()), for the table's setup line."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def time_tokenize(bodies_path: Path, tokenizer_dir: str, rounds: int = 5) -> dict:
     """CPU µs per prompt of ``tokenizers.Tokenizer.encode`` vs the router's fast encoder on the stick's bodies.
 
@@ -199,6 +213,17 @@ def time_tokenize(bodies_path: Path, tokenizer_dir: str, rounds: int = 5) -> dic
             best[k] = min(best[k], (time.process_time() - t0) / len(prompts) * 1e6)
     best["n"] = len(prompts)
     best["tokens"] = statistics.median(len(tok.fast.encode(p)) for p in prompts)
+    # cold: text never seen (random characters, ASCII and not), each encoder fresh, one pass
+    rng = random.Random(1)
+    alphabet = "abcdefghijklmnopqrstuvwxyz      ,.;'ABCDEFGHIJ0123456789\néàü你好世界😀"
+    novel = ["".join(rng.choices(alphabet, k=1500)) for _ in range(len(prompts))]
+    for k in ("library", "fast"):
+        fresh = RouterTokenizer(tokenizer_dir)
+        f = fresh.fast.encode if k == "fast" else (lambda p, t=fresh.tokenizer: t.encode(p).ids)
+        t0 = time.process_time()
+        for p in novel:
+            f(p)
+        best["cold_" + k] = (time.process_time() - t0) / len(novel) * 1e6
     return best
 
 
@@ -244,9 +269,12 @@ def main(argv=None) -> int:
             f"Versions: {json.dumps(meta.get('versions', {}))}.")
         body.append("")
         spread = _spread(results["rows"])
+        loads = (f"1-minute load average {load_before[0]:.1f} when the table was rendered from the run's "
+                 f"results.json" if args.results else
+                 f"1-minute load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
         body.append(
-            f"Noise: this 2-core machine was shared with other engineers' builds and tests while it ran "
-            f"(1-minute load average {load_before[0]:.1f} before, {load_after[0]:.1f} after). req/s is what each "
+            f"Noise: this 2-core machine (lscpu: {_cpu_model()}) was shared with other engineers' builds and tests "
+            f"while it ran ({loads}). req/s is what each "
             f"target got of a contended core: the same target's req/s varied by up to {spread:.1f}x between "
             f"repeats of this run. Router CPU µs/req (CPU time of the router's processes / requests) is the "
             f"steadier figure for comparing routers; the median over repeats is the best single value.")
@@ -273,7 +301,9 @@ def main(argv=None) -> int:
                 f"tokens): `Tokenizer.encode` {t['library']:.0f} µs CPU per prompt, the fast encoder "
                 f"{t['fast']:.0f} µs ({t['library'] / t['fast']:.1f}x less; identical ids checked on every body; "
                 f"best of 5 interleaved rounds, warm caches: every body of the stick repeats, so this is the "
-                f"steady state of a workload whose words and segments were seen before).")
+                f"steady state of a workload whose words and segments were seen before). On text never seen "
+                f"(1500 random characters, ASCII and not, each encoder fresh, one pass): {t['cold_library']:.0f} vs "
+                f"{t['cold_fast']:.0f} µs ({t['cold_library'] / t['cold_fast']:.1f}x).")
     d = time_decision()
     body.append("")
     body.append(f"One cache_aware routing decision (match + insert, 4096-char prompt whose first half is shared with "

@@ -125,7 +125,7 @@ class KvAwarePolicy:
 
     # ------------------------------------------------------------ per request
     async def prepare(self, path: str, body: dict, text: str) -> RouteKey:
-        """Token ids of the request (tokenized on a worker thread), as a :class:`RouteKey`."""
+        """Token ids of the request (inline when short, else on a worker thread: tokenize.py), as a RouteKey."""
         tokens = request_ids_without_tokenizer(path, body)
         if tokens is None and self.tokenizer is not None:
             try:
