@@ -26,10 +26,9 @@ UNSUPPORTED_FLAGS = (
     "--prefill-selector", "--decode-selector",
     # logging, metrics, request handling
     "--log-dir", "--prometheus-duration-buckets", "--request-id-headers", "--cors-allowed-origins",
-    # tokenizer, parsers, MCP (the router never tokenizes or parses model output)
-    "--model-path", "--chat-template", "--tokenizer-cache-enable-l0", "--tokenizer-cache-l0-max-entries",
-    "--tokenizer-cache-enable-l1", "--tokenizer-cache-l1-max-memory", "--reasoning-parser", "--tool-call-parser",
-    "--mcp-config-path",
+    # tokenizer, parsers, MCP (the router tokenizes only for kv_aware and parses no model output)
+    "--model-path", "--chat-template", "--tokenizer-cache-enable-l1", "--tokenizer-cache-l1-max-memory",
+    "--reasoning-parser", "--tool-call-parser", "--mcp-config-path",
     # backends and conversation history storage
     "--backend", "--history-backend", "--oracle-wallet-path", "--oracle-tns-alias", "--oracle-connect-descriptor",
     "--oracle-username", "--oracle-password", "--oracle-pool-min", "--oracle-pool-max",

@@ -105,6 +105,8 @@ class RouterConfig:
     kv_speculative_ttl_secs: float = 2.0
     kv_index_max_blocks: int = 1 << 20
     kv_loads_interval_secs: float = 1.0
+    tokenizer_cache_enable_l0: bool = False  # sglang-router's flag and default
+    tokenizer_cache_l0_max_entries: int = 10000  # sglang-router's flag and default
     dp_aware: bool = False
     no_route_header: bool = False
 

@@ -338,6 +338,9 @@ async def test_tokenization_runs_off_the_event_loop(start_app, InProcessRouter):
     entered = threading.Event()
 
     class SlowTokenizer:
+        def inline(self, path, body):
+            return False  # as RouterTokenizer.inline for a prompt over INLINE_MAX_CHARS: tokenized on the pool
+
         def request_ids(self, path, body):
             entered.set()
             assert gate.wait(20)

@@ -40,6 +40,16 @@ def test_generate_text_or_input_ids_and_huge_ids():
     assert routing_text("/generate", {"text": 5}) == ""
 
 
+def test_ids_text_is_one_character_per_id_at_every_edge():
+    # ids_text builds the string through a 4-byte array and UTF-32: the same string as chr() per id,
+    # surrogate code points included; beyond 0x10FFFF, negative or non-int ids, the decimal form
+    for ids in ([0, 1, 65], [0xD7FF, 0xD800, 0xDBFF, 0xDC00, 0xDFFF, 0xE000], [0x10FFFF], list(range(49152))[::97]):
+        assert ids_text(ids) == "\x1d" + "".join(chr(i) for i in ids)
+    assert ids_text([0x110000, 5]) == "\x1d1114112 5 "
+    assert ids_text([-1, 5]) == "\x1d-1 5 "
+    assert ids_text([True, 2]) == "\x1d\x01\x02"
+
+
 WORDS = ["hi", "hello", "thanks", "yes", "no", "why", "ok", "bye"]
 
 

@@ -1,7 +1,8 @@
 """The ``kv_aware`` flags of ``fleetserve router`` (their fields live in :class:`~..config.RouterConfig`).
 
-``--tokenizer-path`` and ``--dp-aware`` are sglang-router's flag names; the
-``--kv-*`` ones are ours.
+``--tokenizer-path``, ``--tokenizer-cache-enable-l0``,
+``--tokenizer-cache-l0-max-entries`` and ``--dp-aware`` are sglang-router's
+flag names (and defaults); the ``--kv-*`` ones are ours.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--tokenizer-path", default=d.tokenizer_path,
                    help="kv_aware: tokenizer directory or tokenizer.json, to route on token ids (chat requests "
                         "with its chat template); without it only token-id prompts are routed on events")
+    g.add_argument("--tokenizer-cache-enable-l0", action="store_true", default=d.tokenizer_cache_enable_l0,
+                   help="kv_aware: remember the token ids of whole texts (exact match), as sglang-router's L0 "
+                        "tokenizer cache")
+    g.add_argument("--tokenizer-cache-l0-max-entries", type=int, default=d.tokenizer_cache_l0_max_entries,
+                   help="kv_aware: texts the L0 tokenizer cache keeps (the oldest goes first)")
     g.add_argument("--kv-events-endpoint", action="append", default=[], metavar="WORKER_URL=tcp://HOST:PORT",
                    help="kv_aware: a worker's KV-event publisher (repeatable); others are found in their "
                         "/get_server_info kv_events_config")
@@ -51,6 +57,8 @@ def validate(cfg) -> None:
         raise ValueError("--kv-loads-interval-secs must be >= 0")
     if cfg.kv_index_max_blocks < 1:
         raise ValueError("--kv-index-max-blocks must be >= 1")
+    if cfg.tokenizer_cache_l0_max_entries < 1:
+        raise ValueError("--tokenizer-cache-l0-max-entries must be >= 1")
     parse_endpoint_flags(cfg.kv_events_endpoint)
     if cfg.tokenizer_path is not None:
         path = os.path.expanduser(cfg.tokenizer_path)
@@ -66,6 +74,7 @@ def make_kv_aware(cfg):
 
     if cfg is None:
         return KvAwarePolicy()
-    tok = RouterTokenizer(cfg.tokenizer_path) if cfg.tokenizer_path else None
+    l0 = cfg.tokenizer_cache_l0_max_entries if cfg.tokenizer_cache_enable_l0 else 0
+    tok = RouterTokenizer(cfg.tokenizer_path, l0_max_entries=l0) if cfg.tokenizer_path else None
     return KvAwarePolicy(cfg.kv_prefill_weight, cfg.kv_load_weight, cfg.kv_speculative_ttl_secs,
                          cfg.kv_index_max_blocks, cfg.dp_aware, tok, route_header=not cfg.no_route_header)

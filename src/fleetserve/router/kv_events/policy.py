@@ -57,7 +57,7 @@ class RouteKey:
     """One request's routing input and, after :meth:`KvAwarePolicy.select`, its decision."""
 
     __slots__ = ("text", "tokens", "prompt_tokens", "decode_tokens", "target", "rank", "branch", "cached",
-                 "charged")
+                 "charged", "_tree_text")
 
     def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS):
         self.text = text
@@ -69,9 +69,12 @@ class RouteKey:
         self.branch = None  # exact / degraded / fallback
         self.cached = 0  # predicted cached prompt tokens on the target
         self.charged = None  # (load key, tokens) added to the load
+        self._tree_text = None
 
     def tree_text(self) -> str:
-        return ids_text(self.tokens) if self.tokens else self.text
+        if self._tree_text is None:  # built once: select matches it and _record inserts it
+            self._tree_text = ids_text(self.tokens) if self.tokens else self.text
+        return self._tree_text
 
     def route_header(self) -> str:
         """The ``x-fleetserve-route`` value: ``target=URL; dp_rank=R|-; branch=B; cached_tokens=N; prompt_tokens=M``."""
@@ -122,12 +125,15 @@ class KvAwarePolicy:
 
     # ------------------------------------------------------------ per request
     async def prepare(self, path: str, body: dict, text: str) -> RouteKey:
-        """Token ids of the request (tokenized on a worker thread), as a :class:`RouteKey`."""
+        """Token ids of the request (inline when short, else on a worker thread: tokenize.py), as a RouteKey."""
         tokens = request_ids_without_tokenizer(path, body)
         if tokens is None and self.tokenizer is not None:
-            loop = asyncio.get_running_loop()
             try:
-                tokens = await loop.run_in_executor(self._pool, self.tokenizer.request_ids, path, body)
+                if self.tokenizer.inline(path, body):  # short enough to cost less than a thread hand-off
+                    tokens = self.tokenizer.request_ids(path, body)
+                else:
+                    tokens = await asyncio.get_running_loop().run_in_executor(
+                        self._pool, self.tokenizer.request_ids, path, body)
             except Exception as e:  # a tokenizer failure must not fail the request: route on the text
                 log.warning("kv_aware: tokenization failed (%s: %s); routing on the text", type(e).__name__, e)
                 tokens = None
