@@ -47,6 +47,7 @@ int main(int argc, char ** argv) {
     llama_log_set(quiet, nullptr);
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
+    mp.progress_callback = [](float, void *) { return true; };  // no loading dots on the output
     llama_model * model = llama_model_load_from_file(argv[1], mp);
     if (!model) { fprintf(stderr, "cannot load %s\n", argv[1]); return 1; }
     const llama_vocab * vocab = llama_model_get_vocab(model);
