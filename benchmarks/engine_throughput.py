@@ -29,6 +29,8 @@ Usage::
     python benchmarks/engine_throughput.py            # writes docs/benchmarks.md
     python benchmarks/engine_throughput.py --quick    # small run, prints only
     python benchmarks/engine_throughput.py --only-kv-events   # just the events on/off section
+    python benchmarks/engine_throughput.py --only-systems --llama-server /path/to/llama-server
+        # just fleetserve serve (each --quantization) vs transformers vs llama.cpp (systems_compare.py)
 """
 
 from __future__ import annotations
@@ -339,6 +341,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-events-requests", type=int, default=16)
     ap.add_argument("--kv-events-rounds", type=int, default=4, help="rounds of each (events on, events off)")
     ap.add_argument("--only-kv-events", action="store_true", help="run only the KV events on/off section")
+    ap.add_argument("--only-systems", action="store_true",
+                    help="run only the serving systems section (fleetserve serve per --quantization, transformers, "
+                         "llama.cpp)")
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""),
+                    help="path of llama.cpp's llama-server binary (default $LLAMA_SERVER); absent: column skipped")
+    ap.add_argument("--llama-batched", default=os.environ.get("LLAMA_BATCHED", ""),
+                    help="fallback without llama-server: the llamacpp_batched.cpp driver binary (no HTTP)")
+    ap.add_argument("--llama-note", default="", help="how that llama-server was built (printed in the doc)")
+    ap.add_argument("--llama-ctx-per-slot", type=int, default=512, help="llama-server context tokens per slot")
+    ap.add_argument("--systems-quantization", default="none,int8,fp16_weight",
+                    help="fleetserve serve --quantization modes in the systems section")
+    ap.add_argument("--systems-requests", default="", help="requests per level, equal lengths (e.g. 4,16,32)")
+    ap.add_argument("--systems-mixed-requests", default="", help="requests per level, mixed lengths (e.g. 4,16,48)")
     ap.add_argument("--quick", action="store_true", help="tiny run, print only")
     ap.add_argument("--no-write", action="store_true", help="print the table, leave docs/benchmarks.md alone")
     args = ap.parse_args(argv)
@@ -354,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loading {path}", flush=True)
     if args.only_kv_events:
         write_kv_events(args, path, load_tokenizer(path))
+        return 0
+    if args.only_systems:
+        write_systems(args, path)
         return 0
 
     from transformers import AutoModelForCausalLM
@@ -492,7 +510,28 @@ def main(argv: list[str] | None = None) -> int:
         write_section("engine_throughput", "Engine throughput and TTFT (SmolLM2, CPU)", cmd, text)
     del rank, runner, sched, hf
     write_kv_events(args, path, tok)
+    write_systems(args, path)
     return 0
+
+
+def write_systems(args, path: str) -> None:
+    """Run the serving systems comparison (:mod:`systems_compare`), print it, write its section unless ``--no-write``."""
+    import systems_compare
+
+    from fleetserve.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    text = systems_compare.run(args, path, tok, prompts_for, run_hf)
+    print(text, flush=True)
+    if not args.no_write:
+        from doc_section import write_section
+
+        cmd = " ".join(["python benchmarks/engine_throughput.py", *sys.argv[1:]])
+        write_section("engine_systems", "Serving systems: fleetserve vs transformers vs llama.cpp (SmolLM2, CPU)",
+                      cmd, text)
 
 
 def write_kv_events(args, path: str, tok) -> None:
