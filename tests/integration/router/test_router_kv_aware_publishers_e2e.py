@@ -144,12 +144,9 @@ def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
         if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
             load_tokenizer(path)
         path = folder
-    # --kv-loads-interval-secs 0: this test checks routing on events and the router's tokenization. With
-    # the loads correction on, the engine's /v1/loads figures send this request to the sim-worker (seen at
-    # stop 18, cause not confirmed; likely the snapshot polled while the direct request ran is still
-    # "fresh" (3 intervals) when this one arrives). The correction itself: test_kv_aware_engine_loads.py.
+    # the engine-loads correction stays on (default interval, 1 s)
     router, _ = procs.router([sim, engine], "--policy", "kv_aware", "--kv-speculative-ttl-secs", "0",
-                             "--kv-loads-interval-secs", "0", "--tokenizer-path", path)
+                             "--tokenizer-path", path)
     wait_metric(router, rf'fleetserve_router_kv_stream_state{{dp_rank="0",state="(fallback|exact|degraded)",'
                         rf'worker="{re.escape(engine)}"}} 1\.0')
     time.sleep(0.3)
@@ -162,6 +159,11 @@ def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
     assert prompt_tokens > 4 * PAGE
     wait_metric(router, rf'fleetserve_router_kv_index_blocks{{dp_rank="0",worker="{re.escape(engine)}"}} '
                         rf'([4-9]|\d\d+)\.0')
+    # the router has polled the engine since the direct request ended: a fresh snapshot says it is idle.
+    # (A snapshot polled while that request ran used to stay in use for 3 intervals and send the routed
+    # request to the sim-worker; a poll that fails now drops it: tests/unit/router/test_kv_aware_engine_loads.py.)
+    wait_metric(router, rf'fleetserve_router_kv_engine_load_tokens{{dp_rank="0",worker="{re.escape(engine)}"}} '
+                        rf'0\.0')
     routed = {"messages": [system, {"role": "user", "content": "Name a fruit."}], "max_tokens": 2,
               "temperature": 0}
     body, h = post(router + "/v1/chat/completions", routed, timeout=120)

@@ -16,7 +16,8 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   counts its prompt tokens plus its ``max_tokens`` / ``max_new_tokens``
   (:data:`DEFAULT_DECODE_TOKENS` when absent, at most :data:`MAX_DECODE_TOKENS`)
   from the routing decision until its answer ends; while the engine's own
-  ``/v1/loads`` figure is fresh, the larger of the two (:mod:`.loads`).
+  ``/v1/loads`` figure is fresh, the larger of the two, the engine's less what
+  this router saw end since it was taken (:mod:`.loads`).
 
 Lowest cost wins; ties go to the fewest in-flight requests, then registration
 order.  The scoring follows NVIDIA Dynamo's KV router (overlap blocks vs.
@@ -68,7 +69,7 @@ class RouteKey:
         self.rank = None
         self.branch = None  # exact / degraded / fallback
         self.cached = 0  # predicted cached prompt tokens on the target
-        self.charged = None  # (load key, tokens) added to the load
+        self.charged = None  # (load key, tokens added to the load, monotonic time of the decision)
 
     def tree_text(self) -> str:
         return ids_text(self.tokens) if self.tokens else self.text
@@ -224,14 +225,16 @@ class KvAwarePolicy:
         n = key.prompt_tokens + key.decode_tokens
         self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
         self.inflight[lk] = self.inflight.get(lk, 0) + 1
-        key.charged = (lk, n)
+        key.charged = (lk, n, time.monotonic())
 
     def release(self, key) -> None:
         """The request's answer ended (or its attempt failed): take its tokens out of the load."""
         if not isinstance(key, RouteKey) or key.charged is None:
             return
-        lk, n = key.charged
+        lk, n, sent = key.charged
         key.charged = None
+        if self.engine_loads is not None:  # a snapshot that still counts it must not count it twice
+            self.engine_loads.ended(lk[0], lk[1], sent, key.prompt_tokens)
         left = self.load_tokens.get(lk, 0) - n
         if left > 0:
             self.load_tokens[lk] = left
