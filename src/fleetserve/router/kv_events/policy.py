@@ -50,6 +50,7 @@ from .tokenize import RouterTokenizer, request_ids_without_tokenizer
 
 log = logging.getLogger("fleetserve.router")
 
+SESSION = "session"  # the branch of a request --sticky-sessions sent (route_header.py)
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
 
@@ -67,7 +68,7 @@ class RouteKey:
         self.decode_tokens = decode_tokens
         self.target = None  # (worker_url, rank or None)
         self.rank = None
-        self.branch = None  # exact / degraded / fallback
+        self.branch = None  # exact / degraded / fallback, or session (pin)
         self.cached = 0  # predicted cached prompt tokens on the target
         self.charged = None  # (load key, tokens added to the load, monotonic time of the decision)
 
@@ -142,12 +143,10 @@ class KvAwarePolicy:
         sub = self.subs.get(url, {}).get(rank)
         return sub.state if sub is not None else FALLBACK
 
-    def select(self, workers: list, key, retry: bool = False):
-        """The worker with the lowest cost; the decision is written into ``key``."""
+    def _choose(self, workers: list, key):
+        """The worker with the lowest cost among ``workers``; the decision is written into ``key``."""
         if not workers:
             return None
-        if not isinstance(key, RouteKey):
-            key = RouteKey(key or "")
         if key.charged is not None:
             self.release(key)  # a retry: the failed attempt's tokens are no longer in flight
         tokens = key.tokens
@@ -193,9 +192,30 @@ class KvAwarePolicy:
                 best = (score, w, rank, branch, cached)
         _, w, rank, branch, cached = best
         key.target, key.rank, key.branch, key.cached = (w.url, rank), rank, branch, cached
-        self.decisions[branch] += 1
         self._record(w.url, rank, key)
         return w
+
+    def select(self, workers: list, key, retry: bool = False):
+        """The worker with the lowest cost; the decision is written into ``key``."""
+        if not isinstance(key, RouteKey):
+            key = RouteKey(key or "")
+        w = self._choose(workers, key)
+        if w is not None:
+            self.decisions[key.branch] += 1
+        return w
+
+    def pin(self, worker, key) -> None:
+        """``--sticky-sessions`` chose ``worker``: decide the rest as :meth:`select` would on it alone.
+
+        With ``--dp-aware`` its lowest-cost DP rank is chosen; the request is counted in the load,
+        the tree and the speculative entries like any other, and ``key.branch`` becomes
+        :data:`SESSION` (the route header's ``branch=session``).  ``key.cached`` is the prediction
+        for ``worker``.  Not counted in ``decisions`` (the policy did not pick the worker).
+        """
+        if not isinstance(key, RouteKey):
+            return
+        self._choose([worker], key)
+        key.branch = SESSION
 
     def decorate(self, key, body: bytes, headers: bytes):
         """``(body, request header lines, response headers)`` for the attempt ``key`` was routed to.
