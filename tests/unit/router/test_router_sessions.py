@@ -259,13 +259,12 @@ async def test_a_session_choice_carries_the_route_header(three, InProcessRouter,
 
 @pytest.mark.timeout(60)
 async def test_kv_aware_dp_aware_session_choice_gets_the_policys_rank_on_the_session_worker(three, InProcessRouter):
-    from types import SimpleNamespace
+    from helpers.fake_kv_stream import two_ranks
 
     urls = [w.url for w in three]
     async with aiohttp.ClientSession() as s, InProcessRouter(**sticky(urls, policy="kv_aware", dp_aware=True)) as r:
         pol = r.router.policy
-        for u in urls:  # two DP ranks per worker (as discovered from /get_server_info), no events yet
-            pol.subs[u] = {0: SimpleNamespace(state="fallback"), 1: SimpleNamespace(state="fallback")}
+        two_ranks(pol, urls)
         _, first = await routed(s, r, "Open the conversation.", "conv")
         assert (first["target"], first["dp_rank"], first["branch"]) == (urls[0], "0", "fallback")
         pol.load_tokens[(urls[0], 0)] = 10_000  # rank 0 of the session's worker is busy now

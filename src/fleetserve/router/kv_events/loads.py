@@ -73,7 +73,7 @@ class EngineLoads:
         self.failures = 0
 
     def tokens(self, url: str, rank: int | None, now: float | None = None) -> int | None:
-        """The engine's tokens on a target (``rank`` None: all ranks) less :meth:`ended`, or None when stale / unknown."""
+        """The engine's tokens on a target (``rank`` None: all ranks) less :meth:`ended`; None: stale / unknown."""
         snap = self.snapshots.get(url)
         if snap is None:
             return None
@@ -93,7 +93,7 @@ class EngineLoads:
         return max(0, n - gone)
 
     def put(self, url: str, per_rank: dict[int, int], now: float | None = None, asked: float | None = None) -> None:
-        """A new snapshot: ``per_rank`` as the engine reported it, arrived ``now``, asked for at ``asked`` (default now)."""
+        """A new snapshot: ``per_rank`` as reported, arrived ``now``, asked for at ``asked`` (default: ``now``)."""
         now = time.monotonic() if now is None else now
         self.snapshots[url] = (now, per_rank, now if asked is None else asked)
         self._ended.pop(url, None)
