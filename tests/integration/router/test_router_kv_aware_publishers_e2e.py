@@ -61,7 +61,7 @@ def sim_workers(procs, n=2):
     urls = [f"http://127.0.0.1:{http + i}" for i in range(n)]
     wait_http = sys.modules[type(procs).__module__].wait_http  # the router tests' conftest
     for u in urls:
-        wait_http(u + "/health", proc=p)
+        wait_http(u + "/health", timeout=60, proc=p)  # it imports torch: slow on a shared, busy machine
     return urls
 
 
@@ -133,11 +133,12 @@ def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
 
+    # the sim-worker first: started while the engine loads its model, it can miss its 20 s on a busy machine
+    (sim,) = sim_workers(procs, 1)
     ev = free_port_block(2)
     cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"}
     engine, _ = procs.engine("--max-total-tokens", "4096", "--page-size", str(PAGE),
                              "--kv-events-config", json.dumps(cfg))
-    (sim,) = sim_workers(procs, 1)
     path = default_model_path()
     if is_gguf(path):
         folder = tokenizer_cache_dir(path)
