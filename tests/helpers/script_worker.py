@@ -23,7 +23,8 @@ reason (``stop`` at the script's end, else ``length``), usage when asked
 ``die(after=k, how=...)``: on its next request it sends ``k`` events and then ``reset`` (RST),
 ``close`` (FIN, chunked body unfinished), ``error`` (an error event, then a clean end, as an
 engine that died does) or ``stall`` (nothing more); with ``k`` past the last event, it sends
-``[DONE]`` and then resets before the chunked body's end.  ``bodies`` holds every request body.
+``[DONE]`` and then resets before the chunked body's end.  ``bodies`` holds every request body,
+``headers`` every request's headers.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class _Conn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.body = bytearray()
         self.url = b""
+        self.hdrs = {}
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.hdrs[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -83,6 +88,7 @@ class _Conn(asyncio.Protocol):
             return
         req = json.loads(bytes(self.body))
         self.w.bodies.append((path, req))
+        self.w.headers.append(self.hdrs)
         self.task = asyncio.get_running_loop().create_task(self.w._serve(self, path, req))
 
 
@@ -100,6 +106,7 @@ class ScriptWorker:
         self.script = script
         self.delay_s = delay_s  # between events
         self.bodies: list[tuple[str, dict]] = []
+        self.headers: list[dict[str, str]] = []  # each request's headers (lower-case names), as bodies
         self.live: set[_Conn] = set()
         self.dying: tuple[int, str] | None = None
         self.sent_events = 0

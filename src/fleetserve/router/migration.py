@@ -40,8 +40,13 @@ or a finish reason already sent) needs no worker: the router ends the stream its
 
 ``--max-migrations`` counts continuations that streamed; one that fails before its first
 event is retried on another worker at once (up to ``--retry-max-retries`` attempts) without
-using a migration.  The continuation is not given kv_aware's DP-rank decoration, and a
-``--sticky-sessions`` session is not moved to the continuing worker.
+using a migration.  The policy chooses the continuing worker as for a retry (the failed
+one excluded); under ``kv_aware --dp-aware`` it also chooses that worker's DP rank, which the
+continuation carries as any routed request does (``routed_dp_rank`` first in the body, the
+``X-data-parallel-rank`` header): never the failed worker's rank, and never none.  A rank the
+client set itself stays in the body and wins, as on the first attempt.  The route header was
+sent with the first worker's answer and is not changed.  A ``--sticky-sessions`` session is
+not moved to the continuing worker.
 
 Not migrated (today's error event instead): several prompts or ``n > 1``, ``/generate`` with
 ``return_logprob``, completions with ``echo`` or a token-id prompt, chat that already sets
@@ -411,10 +416,14 @@ class Migration:
             if worker is None:
                 return False
             tried.append(worker)
+            body, headers = data, self.headers
+            decorate = getattr(router.policy, "decorate", None)
+            if decorate is not None:  # kv_aware --dp-aware: the rank the policy chose on the new worker
+                body, headers, _ = decorate(self.route_text, data, self.headers)
             self.rewriting = True
             self.base_text, self.base_tokens = self.text, self.tokens
             self.base_ids = list(self.ids) if self.ids is not None else None
-            outcome = await self._continue_on(request, worker, data)
+            outcome = await self._continue_on(request, worker, body, headers)
             if outcome == "done":
                 return True
             self.buf = b""
@@ -423,8 +432,8 @@ class Migration:
             else:  # it streamed, then failed: one migration used, the next one starts afresh
                 attempts = 0
 
-    async def _continue_on(self, request: Request, worker: Worker, body: bytes) -> str:
-        """Stream ``worker``'s answer to the continuation into the client's stream.
+    async def _continue_on(self, request: Request, worker: Worker, body: bytes, headers: bytes) -> str:
+        """Stream ``worker``'s answer to the continuation (``body``, extra ``headers``) into the client's stream.
 
         Returns ``"done"`` (the answer ended well), ``"failed_before"`` (it failed before its first
         event) or ``"failed"`` (after; counted in ``migrations``).
@@ -436,7 +445,7 @@ class Migration:
         started = False
         try:
             try:
-                resp = await router.pool.post(worker.url, self.path, body, self.headers)
+                resp = await router.pool.post(worker.url, self.path, body, headers)
                 if resp.status != 200 or resp.content_type != "text/event-stream":
                     await resp.read()
                     if resp.status >= 500 and resp.status != 503:

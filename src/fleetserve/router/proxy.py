@@ -168,6 +168,8 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
         if session is not None and not tried:
             worker = router.sessions.select(session, workers, text, policy)
         by_session = worker is not None
+        if by_session and hasattr(policy, "pin"):
+            policy.pin(worker, text)  # kv_aware: the rank (--dp-aware), the load and the route header
         if worker is None:
             worker = policy.select(workers, text, retry=bool(tried))
         if session is not None and worker is not None:
@@ -182,7 +184,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
         decorate = getattr(policy, "decorate", None)  # kv_aware: the DP rank to use, the route header
         if decorate is not None:
             body, hdrs, shown = decorate(text, request.body, headers)
-            predicted = None if by_session else getattr(text, "cached", None)
+            predicted = getattr(text, "cached", None)
         else:  # every other policy: the route header (route_header.py)
             body, hdrs = request.body, headers
             value, predicted = route_of(policy, worker, text, by_session)

@@ -148,7 +148,8 @@ class StickySessions:
         """The session's worker if it is among ``workers`` (the available ones) and within the load bound, else None.
 
         On a hit the text is inserted under that worker in the policy's routing tree
-        (cache_aware), so prefix matching knows where the conversation lives.
+        (cache_aware), so prefix matching knows where the conversation lives; kv_aware's
+        key (not text) is left to its ``pin``, which the proxy calls.
         """
         url = self.lookup(key)
         if url is None:
@@ -161,7 +162,7 @@ class StickySessions:
                     break
                 self.hits += 1
                 tree = getattr(policy, "tree", None)
-                if tree is not None and text:
+                if tree is not None and isinstance(text, str) and text:  # kv_aware records its own (pin)
                     tree.insert(text, url)
                 return w
         self.moved += 1

@@ -110,3 +110,25 @@ def test_scheduler_reports_generation_throughput(make_sched):
     drain(s)
     assert s.generation_tokens_total == 20
     assert s.get_stats().gen_throughput > 0
+
+
+def test_page_size_16_a_finished_request_leaves_its_pages_cached_but_counts_no_load(make_sched):
+    """``/v1/loads``' token figures count what requests hold or wait for, never the radix cache: after a
+    request at ``--page-size 16`` ends, its full pages stay cached (evictable) and the load is 0."""
+    s = make_sched(page_size=16, max_running_requests=1)
+    p = prompt(9, 4 * 16 + 5)
+    s.add_request(TokenizedGenerateReq("direct", p, greedy(3)))
+    s.step()                                            # prefilled: it holds its prompt's slots
+    st = s.get_stats()
+    assert st.num_running_reqs == 1 and st.kv_used_tokens >= len(p)
+    drain(s)
+    st = s.get_stats()
+    assert st.kv_cached_tokens >= 4 * 16                # the prefix is still there for the next request
+    assert (st.num_running_reqs, st.num_waiting_reqs, st.kv_used_tokens, st.num_pending_tokens) == (0, 0, 0, 0)
+    # a request reusing that prefix: only what it holds counts, the cached pages it shares once
+    s.add_request(TokenizedGenerateReq("again", p[:4 * 16] + [3, 4], greedy(20)))
+    s.step()
+    st = s.get_stats()
+    assert st.num_running_reqs == 1 and 4 * 16 + 2 <= st.kv_used_tokens <= 5 * 16
+    drain(s)
+    assert s.get_stats().kv_used_tokens == 0

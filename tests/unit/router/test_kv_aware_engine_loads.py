@@ -86,3 +86,77 @@ async def test_poll_asks_v1_loads_and_retries_a_worker_without_it_later(start_ap
     finally:
         await runner.cleanup()
         await runner2.cleanup()
+
+
+def test_the_worker_holding_the_prefix_wins_with_an_idle_fresh_snapshot():
+    pol = kv({A: ["exact"], B: ["exact"]})
+    pol.index.apply((A, 0), BlockStored(list(range(8)), None, P, 4))
+    el = pol.engine_loads = EngineLoads(1.0)
+    el.put(A, {0: 0})
+    el.put(B, {0: 0})
+    key = RouteKey("", P + [1], 0)
+    assert pol.select([Worker(B), Worker(A)], key).url == A and key.cached == 32  # cost 1 against 33
+
+
+def test_a_snapshot_counting_this_routers_ended_request_does_not_push_the_next_one_away():
+    """The bug seen with a real engine: a snapshot taken while a request ran stayed in use after it ended."""
+    pol = kv({A: ["exact"], B: ["exact"]})
+    pol.index.apply((A, 0), BlockStored(list(range(8)), None, P, 4))
+    el = pol.engine_loads = EngineLoads(1.0)
+    first = RouteKey("", P + [1], 8)
+    assert pol.select([Worker(A), Worker(B)], first).url == A
+    # polled while it ran: A's engine holds its 33 prompt tokens and 7 generated ones
+    el.put(A, {0: 40})
+    el.put(B, {0: 0})
+    assert el.tokens(A, None) == 40
+    pol.release(first)  # its answer ended: the snapshot still counts it, the router knows better
+    assert el.tokens(A, None) == 40 - 33
+    second = RouteKey("", P + [2], 8)
+    assert pol.select([Worker(A), Worker(B)], second).url == A  # 1 + 7 < 33
+    # sent after the poll was asked, it may not be in the snapshot: nothing is taken off for it
+    pol.release(second)
+    assert el.tokens(A, None) == 7
+    # foreign load (no request of this router ended) still steers away, as before
+    el.put(A, {0: 40})
+    assert pol.select([Worker(A), Worker(B)], RouteKey("", P + [3], 8)).url == B
+
+
+def test_ended_requests_are_taken_off_their_own_rank_with_dp_aware():
+    el = EngineLoads(1.0)
+    el.put(A, {0: 50, 1: 50})
+    el.ended(A, 1, time.monotonic() - 5, 30)
+    assert (el.tokens(A, 0), el.tokens(A, 1), el.tokens(A, None)) == (50, 20, 70)
+    el.ended(A, 1, time.monotonic() - 5, 500)
+    assert el.tokens(A, 1) == 0  # never below 0
+    el.put(A, {0: 50, 1: 50})
+    assert el.tokens(A, 1) == 50  # a new snapshot starts afresh
+
+
+async def test_a_failed_poll_drops_the_snapshot_and_a_slow_worker_is_asked_again_next_time(start_app):
+    import asyncio
+
+    import aiohttp
+
+    answers = [(0, 500), (1.5, 900), (0, 0)]  # (delay in s, num_total_tokens) per call
+
+    async def loads(_req):
+        delay, n = answers.pop(0)
+        await asyncio.sleep(delay)
+        return web.json_response({"loads": [{"dp_rank": 0, "num_total_tokens": n}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/loads", loads)
+    runner, url = await start_app(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, registry=SimpleNamespace(urls=lambda: [url]))
+            el = EngineLoads(0.2)  # each ask times out after 0.5 s
+            await el.poll(router)
+            assert el.tokens(url, None) == 500
+            await el.poll(router)  # too slow: the 500 of before is not kept as if it were still true
+            assert el.tokens(url, None) is None and url not in el.snapshots
+            assert (el.polls, el.failures) == (2, 1)
+            await el.poll(router)  # a slow worker has the endpoint: asked again at the next interval
+            assert el.tokens(url, None) == 0 and (el.polls, el.failures) == (3, 1)
+    finally:
+        await runner.cleanup()

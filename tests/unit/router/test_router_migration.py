@@ -388,3 +388,42 @@ def test_a_refused_continuation_is_retried_without_counting(InProcessRouter):
                 await w.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["generate_ids", "chat"])
+def test_dp_aware_continuation_carries_the_rank_the_policy_chose_on_the_new_worker(kind, InProcessRouter):
+    """kv_aware --dp-aware: the first attempt goes to a's rank 0; a dies; the continuation goes to b with
+    the rank kv_aware picks there (1: b's rank 0 is busy), in the body and the header, not a's rank or none."""
+    from helpers.fake_kv_stream import two_ranks
+
+    path, body = KINDS[kind]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT).start()
+        b = await ScriptWorker("b", SCRIPT).start()
+        try:
+            cfg = router_cfg([a.url, b.url], policy="kv_aware", dp_aware=True, kv_loads_interval_secs=0)
+            async with aiohttp.ClientSession() as s, InProcessRouter(**cfg) as r:
+                pol = r.router.policy
+                two_ranks(pol, (a.url, b.url))
+                pol.load_tokens[(b.url, 0)] = 10_000  # b's rank 0 is busy: a rank 0 first, then b rank 1
+                a.die(after=die_after_events(kind, DIE_AFTER_TOKENS))
+                status, raw = await post(s, r.url, path, body)
+                assert status == 200, raw
+                got = read_answer(kind, raw)
+                assert got["errors"] == [] and got["text"] == FULL, (got, raw.decode())
+                assert a.bodies[0][1]["routed_dp_rank"] == 0
+                assert [p for p, _ in b.bodies] == [path]
+                cont = b.bodies[0][1]
+                assert cont["routed_dp_rank"] == 1 and cont["stream"] is True
+                assert list(cont)[0] == "routed_dp_rank"  # put first: a client's own value would come later
+                assert b.headers[0].get("x-data-parallel-rank") == "1"
+                assert r.router.stats.migrations == 1
+                await settled(s, r)
+                assert pol.load_tokens == {(b.url, 0): 10_000}  # the continuation's charge came off too
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -224,3 +224,53 @@ async def test_a_removed_worker_forgets_its_sessions_and_a_busy_or_sick_one_lets
         c.healthy = True
         assert r.router.sessions.moved == 2  # (a was forgotten with w0: that was a new key)
         assert r.router.handling == 0 and all(w.load == 0 for w in r.router.registry.workers)
+
+
+def route_fields(header: str) -> dict:
+    return dict(part.split("=", 1) for part in header.split("; "))
+
+
+async def routed(s, r, prompt, session):
+    async with s.post(r.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4},
+                      headers={"X-Session-ID": session}) as resp:
+        assert resp.status == 200, await resp.text()
+        assert "x-fleetserve-route" in resp.headers, dict(resp.headers)
+        return (await resp.json())["worker"], route_fields(resp.headers["x-fleetserve-route"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin", "kv_aware"])
+async def test_a_session_choice_carries_the_route_header(three, InProcessRouter, policy):
+    urls = [w.url for w in three]
+    names = {w.url: w.name for w in three}
+    async with aiohttp.ClientSession() as s, InProcessRouter(**sticky(urls, policy=policy)) as r:
+        worker, first = await routed(s, r, "Open the conversation.", "conv")
+        assert first["branch"] != "session" and names[first["target"]] == worker  # the policy's choice
+        worker2, again = await routed(s, r, "An unrelated second turn, longer than the first one.", "conv_t2")
+        assert worker2 == worker and again["target"] == first["target"]
+        assert again["branch"] == "session" and again["dp_rank"] == "-"
+        assert int(again["prompt_tokens"]) == 13  # ceil(52 characters / 4)
+        if policy == "kv_aware":  # its guess for the session's worker: the tree holds nothing of this text
+            assert again["cached_tokens"] == "0"
+            assert r.router.policy.load_tokens == {} and r.router.policy.inflight == {}  # charged, then released
+        else:
+            assert again["cached_tokens"] == "-"
+
+
+@pytest.mark.timeout(60)
+async def test_kv_aware_dp_aware_session_choice_gets_the_policys_rank_on_the_session_worker(three, InProcessRouter):
+    from helpers.fake_kv_stream import two_ranks
+
+    urls = [w.url for w in three]
+    async with aiohttp.ClientSession() as s, InProcessRouter(**sticky(urls, policy="kv_aware", dp_aware=True)) as r:
+        pol = r.router.policy
+        two_ranks(pol, urls)
+        _, first = await routed(s, r, "Open the conversation.", "conv")
+        assert (first["target"], first["dp_rank"], first["branch"]) == (urls[0], "0", "fallback")
+        pol.load_tokens[(urls[0], 0)] = 10_000  # rank 0 of the session's worker is busy now
+        _, again = await routed(s, r, "Open the conversation. And go on.", "conv")
+        # the session keeps the worker; the policy picks its rank there: rank 1, not the busy 0 nor none
+        assert (again["target"], again["dp_rank"], again["branch"]) == (urls[0], "1", "session")
+        assert pol.load_tokens == {(urls[0], 0): 10_000}  # the session request's own tokens came off again
+        # the rank 0 request's text is in the tree under rank 0; rank 1 shares none of it
+        assert again["cached_tokens"] == "0"

@@ -6,18 +6,32 @@ docs/load-and-metrics.md).  Of each ``loads[]`` entry the router keeps
 ``num_total_tokens`` (KV slots held by running requests + the waiting requests'
 lengths + the chunked request's rest) per ``dp_rank``.
 
-A snapshot is *fresh* for :data:`STALE_INTERVALS` intervals after it arrived.
-While fresh, a target's load in :mod:`.policy` is::
+A snapshot is used only while it is the answer to the latest poll and at most
+:data:`STALE_INTERVALS` intervals old.  Then a target's load in :mod:`.policy` is::
 
-    load_tokens(t) = max(router-side in-flight tokens(t), engine num_total_tokens(t))
+    load_tokens(t) = max(router-side in-flight tokens(t), engine num_total_tokens(t) - ended(t))
 
 The engine's figure covers traffic this router never saw (other router
 replicas, direct clients); the router's covers what it sent since the
 snapshot.  Either one alone undercounts, so the larger one is used (summed
-over ranks for a whole worker; one rank's for a ``--dp-aware`` target).  A
-stale or missing snapshot leaves the router-side count alone.  A worker that
-answers ``/v1/loads`` with anything but 200 JSON (vLLM; an older engine) is
-asked again only every :data:`RETRY_MISSING_S`.
+over ranks for a whole worker; one rank's for a ``--dp-aware`` target).
+``ended(t)``: the prompt tokens of this router's requests that were in flight
+on ``t`` when the poll was sent and whose answers ended after the snapshot
+arrived.  The snapshot still counts them (a running request holds its prompt's
+KV, cached prefix included; a waiting one counts its length) and the router
+knows they are gone, so they must not keep pushing traffic away until the
+next poll (:meth:`EngineLoads.ended`).  Their generated tokens are not taken
+off (how many the engine had made is unknown), so the figure errs high; it
+errs low only where several of those requests shared a prefix on ``t`` (the
+engine counts shared pages once), and never below 0.
+
+A poll that fails drops the worker's snapshot at once: a figure that could not
+be refreshed says nothing about now, and kept, it would still count requests
+that ended long ago and push traffic away from an idle worker.  A
+timeout or a connection error is asked again at the next interval: the worker
+has the endpoint and is only slow (a CPU engine answers between two steps).
+A worker that answers with anything but 200 JSON figures (vLLM; an older
+engine) is asked again only every :data:`RETRY_MISSING_S`.
 """
 
 from __future__ import annotations
@@ -48,17 +62,18 @@ def ranks_tokens(doc) -> dict[int, int] | None:
 
 
 class EngineLoads:
-    """Worker url -> (monotonic time of the snapshot, {dp_rank: tokens}); polled by :meth:`run`."""
+    """Worker url -> snapshot ``(arrived, {dp_rank: tokens}, asked)`` (monotonic seconds); polled by :meth:`run`."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self.snapshots: dict[str, tuple[float, dict[int, int]]] = {}
-        self._missing: dict[str, float] = {}  # url -> when it last failed to answer
+        self.snapshots: dict[str, tuple[float, dict[int, int], float]] = {}
+        self._ended: dict[str, dict[int | None, int]] = {}  # url -> rank or None -> tokens ended since the snapshot
+        self._missing: dict[str, float] = {}  # url -> when it last answered without figures
         self.polls = 0
         self.failures = 0
 
     def tokens(self, url: str, rank: int | None, now: float | None = None) -> int | None:
-        """The engine's tokens on a target (``rank`` None: all ranks), or None when stale / unknown."""
+        """The engine's tokens on a target (``rank`` None: all ranks) less :meth:`ended`; None: stale / unknown."""
         snap = self.snapshots.get(url)
         if snap is None:
             return None
@@ -66,15 +81,42 @@ class EngineLoads:
         if now - snap[0] > STALE_INTERVALS * self.interval_s:
             return None
         per = snap[1]
+        ended = self._ended.get(url)
         if rank is None:
-            return sum(per.values())
-        return per.get(rank)
+            n = sum(per.values())
+            gone = sum(ended.values()) if ended else 0
+        else:
+            n = per.get(rank)
+            if n is None:
+                return None
+            gone = ended.get(rank, 0) if ended else 0
+        return max(0, n - gone)
 
-    def put(self, url: str, per_rank: dict[int, int], now: float | None = None) -> None:
-        self.snapshots[url] = (time.monotonic() if now is None else now, per_rank)
+    def put(self, url: str, per_rank: dict[int, int], now: float | None = None, asked: float | None = None) -> None:
+        """A new snapshot: ``per_rank`` as reported, arrived ``now``, asked for at ``asked`` (default: ``now``)."""
+        now = time.monotonic() if now is None else now
+        self.snapshots[url] = (now, per_rank, now if asked is None else asked)
+        self._ended.pop(url, None)
+
+    def ended(self, url: str, rank: int | None, sent: float, tokens: int, now: float | None = None) -> None:
+        """A request of this router on ``url`` (``rank``; None: the worker chose) ended; it was sent at ``sent``.
+
+        When it was in flight before the current snapshot was asked for and ends after that snapshot
+        arrived, the snapshot counts it though it is gone: ``tokens`` (its prompt tokens) are taken
+        off the engine's figure until the next snapshot.  Otherwise (sent later, or ended while
+        the poll was out) the snapshot may not count it, and nothing is taken off.
+        """
+        snap = self.snapshots.get(url)
+        if snap is None or tokens <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        if sent < snap[2] and now >= snap[0]:
+            per = self._ended.setdefault(url, {})
+            per[rank] = per.get(rank, 0) + tokens
 
     def forget(self, url: str) -> None:
         self.snapshots.pop(url, None)
+        self._ended.pop(url, None)
         self._missing.pop(url, None)
 
     async def poll(self, router) -> None:
@@ -90,20 +132,30 @@ class EngineLoads:
         import aiohttp
 
         self.polls += 1
+        asked = time.monotonic()
         per = None
         try:
             timeout = aiohttp.ClientTimeout(total=max(self.interval_s, 0.5))
             async with router.session.get(url + "/v1/loads?include=core", timeout=timeout) as r:
                 if r.status == 200:
-                    per = ranks_tokens(await r.json(content_type=None))
-        except Exception as e:  # unreachable, slow, not JSON: the router-side count stays in charge
+                    try:
+                        per = ranks_tokens(await r.json(content_type=None))
+                    except ValueError:  # not JSON
+                        per = None
+        except Exception as e:  # unreachable or slow: no figure now; the router-side count is in charge
             log.debug("kv loads: %s/v1/loads: %s", url, e)
-        if per is None:
             self.failures += 1
+            self.snapshots.pop(url, None)
+            self._ended.pop(url, None)
+            return  # asked again at the next interval
+        if per is None:  # the worker has no such endpoint (404, not JSON, no figures): ask again much later
+            self.failures += 1
+            self.snapshots.pop(url, None)
+            self._ended.pop(url, None)
             self._missing[url] = time.monotonic()
             return
         self._missing.pop(url, None)
-        self.put(url, per)
+        self.put(url, per, asked=asked)
 
     async def run(self, router) -> None:
         while True:

@@ -16,7 +16,8 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   counts its prompt tokens plus its ``max_tokens`` / ``max_new_tokens``
   (:data:`DEFAULT_DECODE_TOKENS` when absent, at most :data:`MAX_DECODE_TOKENS`)
   from the routing decision until its answer ends; while the engine's own
-  ``/v1/loads`` figure is fresh, the larger of the two (:mod:`.loads`).
+  ``/v1/loads`` figure is fresh, the larger of the two, the engine's less what
+  this router saw end since it was taken (:mod:`.loads`).
 
 Lowest cost wins; ties go to the fewest in-flight requests, then registration
 order.  The scoring follows NVIDIA Dynamo's KV router (overlap blocks vs.
@@ -49,6 +50,7 @@ from .tokenize import RouterTokenizer, request_ids_without_tokenizer
 
 log = logging.getLogger("fleetserve.router")
 
+SESSION = "session"  # the branch of a request --sticky-sessions sent (route_header.py)
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
 
@@ -66,9 +68,9 @@ class RouteKey:
         self.decode_tokens = decode_tokens
         self.target = None  # (worker_url, rank or None)
         self.rank = None
-        self.branch = None  # exact / degraded / fallback
+        self.branch = None  # exact / degraded / fallback, or session (pin)
         self.cached = 0  # predicted cached prompt tokens on the target
-        self.charged = None  # (load key, tokens) added to the load
+        self.charged = None  # (load key, tokens added to the load, monotonic time of the decision)
         self._tree_text = None
 
     def tree_text(self) -> str:
@@ -147,12 +149,10 @@ class KvAwarePolicy:
         sub = self.subs.get(url, {}).get(rank)
         return sub.state if sub is not None else FALLBACK
 
-    def select(self, workers: list, key, retry: bool = False):
-        """The worker with the lowest cost; the decision is written into ``key``."""
+    def _choose(self, workers: list, key):
+        """The worker with the lowest cost among ``workers``; the decision is written into ``key``."""
         if not workers:
             return None
-        if not isinstance(key, RouteKey):
-            key = RouteKey(key or "")
         if key.charged is not None:
             self.release(key)  # a retry: the failed attempt's tokens are no longer in flight
         tokens = key.tokens
@@ -198,9 +198,30 @@ class KvAwarePolicy:
                 best = (score, w, rank, branch, cached)
         _, w, rank, branch, cached = best
         key.target, key.rank, key.branch, key.cached = (w.url, rank), rank, branch, cached
-        self.decisions[branch] += 1
         self._record(w.url, rank, key)
         return w
+
+    def select(self, workers: list, key, retry: bool = False):
+        """The worker with the lowest cost; the decision is written into ``key``."""
+        if not isinstance(key, RouteKey):
+            key = RouteKey(key or "")
+        w = self._choose(workers, key)
+        if w is not None:
+            self.decisions[key.branch] += 1
+        return w
+
+    def pin(self, worker, key) -> None:
+        """``--sticky-sessions`` chose ``worker``: decide the rest as :meth:`select` would on it alone.
+
+        With ``--dp-aware`` its lowest-cost DP rank is chosen; the request is counted in the load,
+        the tree and the speculative entries like any other, and ``key.branch`` becomes
+        :data:`SESSION` (the route header's ``branch=session``).  ``key.cached`` is the prediction
+        for ``worker``.  Not counted in ``decisions`` (the policy did not pick the worker).
+        """
+        if not isinstance(key, RouteKey):
+            return
+        self._choose([worker], key)
+        key.branch = SESSION
 
     def decorate(self, key, body: bytes, headers: bytes):
         """``(body, request header lines, response headers)`` for the attempt ``key`` was routed to.
@@ -230,14 +251,16 @@ class KvAwarePolicy:
         n = key.prompt_tokens + key.decode_tokens
         self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
         self.inflight[lk] = self.inflight.get(lk, 0) + 1
-        key.charged = (lk, n)
+        key.charged = (lk, n, time.monotonic())
 
     def release(self, key) -> None:
         """The request's answer ended (or its attempt failed): take its tokens out of the load."""
         if not isinstance(key, RouteKey) or key.charged is None:
             return
-        lk, n = key.charged
+        lk, n, sent = key.charged
         key.charged = None
+        if self.engine_loads is not None:  # a snapshot that still counts it must not count it twice
+            self.engine_loads.ended(lk[0], lk[1], sent, key.prompt_tokens)
         left = self.load_tokens.get(lk, 0) - n
         if left > 0:
             self.load_tokens[lk] = left
