@@ -183,7 +183,7 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
 
     flush(urls)
     base = _next_router_port[0]
-    _next_router_port[0] = base + 8 if base < 23900 else 23000
+    _next_router_port[0] = base + 8
     ports = [base + j for j in range(nreplicas)]
     for _ in range(60):
         if all(port_free(p) for p in ports):
@@ -287,6 +287,9 @@ def kv_part(a: argparse.Namespace) -> None:
 
     from fleetserve.router.kv_events.tokenize import RouterTokenizer
 
+    global HTTP0, EV0
+    HTTP0, EV0 = HTTP0 + a.port_offset, EV0 + a.port_offset
+    _next_router_port[0] += a.port_offset
     logdir = Path(a.log_dir)
     logdir.mkdir(parents=True, exist_ok=True)
     tdir = tokenizer_dir()
@@ -322,8 +325,10 @@ def kv_part(a: argparse.Namespace) -> None:
             all_rows[name] = {"workload": wname, "workers": n, "dp": dp, "replicas": nrep, "direct_share": share,
                               "rate": rate, "requests": len(reqs), "rows": rows}
             for label, kind, flags in routers(dp > 1, tdir, have_peer, bool(a.baseline_src), tuple(a.kv_variant)):
-                if label in a.skip:
-                    continue
+                if label in a.skip or (label == "round_robin" and not name.startswith("pressure")):
+                    continue  # round robin: the pressure tables only (the reference; saves time)
+                if kind == "base" and name == "dp":
+                    continue  # the DP table compares --dp-aware on and off, both on this code
                 rx = {"streams": n * dp}
                 rows.append(run_router(label, kind, flags, urls, nrep, share, reqs, bargs, a, rx, logdir, tok))
                 RESULTS.mkdir(exist_ok=True)
@@ -331,6 +336,20 @@ def kv_part(a: argparse.Namespace) -> None:
         finally:
             stop(wp)
         write_doc(a, all_rows, have_peer)
+
+
+def cpu_model() -> str:
+    """``lscpu``'s model name, or ``"unknown CPU"``."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown CPU"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
 def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
@@ -358,8 +377,8 @@ def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
         "cached tokens per answer; both replicas summed), **exact guesses** its `le=\"0\"` share, **bias** "
         "(predicted - reported) / reported; sglang-router has no such metric. "
         + ("" if have_peer else "sglang-router was not installed: its column is missing. ")
-        + "The machine has 2 cores shared with other jobs while this ran, so absolute figures are noisy; "
-          "compare rows within a table. " + a.note, ""]
+        + f"The machine ({cpu_model()}, 2 cores) was shared with other jobs while this ran (load average "
+          "20-50), so absolute figures are noisy; compare rows within a table. " + a.note, ""]
     titles = {"pressure-shared_prefix": "KV pressure, shared_prefix",
               "pressure-multi_turn": "KV pressure, multi_turn",
               "replicas": "two router replicas, traffic split at random",
@@ -397,6 +416,8 @@ def add_parser(sub) -> None:
     k.add_argument("--baseline-src", default="",
                    help="a src/ folder of an earlier fleetserve: adds kv_aware rows of its router, '(before)'")
     k.add_argument("--keep", action="store_true", help="keep other scenarios' rows from the results file")
+    k.add_argument("--port-offset", type=int, default=0,
+                   help="added to every port (workers 21000.., events 22000.., routers 23000..): two runs at once")
     k.add_argument("--section", default="routing-kv")
     k.add_argument("--title", default="Routing: kv_aware vs cache_aware on simulated workers with KV events")
     k.add_argument("--note", default="")
