@@ -196,7 +196,10 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
         import os
 
         env = dict(os.environ, PYTHONPATH=str(Path(a.baseline_src).resolve()))
-    procs = [start(router_cmd("sglang" if kind == "sglang" else "ours", p, urls, flags, a.peer_python),
+    def own(p: int) -> list[str]:  # sglang-router replicas: each its own Prometheus port (default 29000)
+        return [*flags, "--prometheus-port", str(p + 2000)] if kind == "sglang" else flags
+
+    procs = [start(router_cmd("sglang" if kind == "sglang" else "ours", p, urls, own(p), a.peer_python),
                    logdir / f"router-{label}-{j}.log", env) for j, p in enumerate(ports)]
     rurls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
