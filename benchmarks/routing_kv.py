@@ -381,7 +381,9 @@ def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
         "(predicted - reported) / reported; sglang-router has no such metric. "
         + ("" if have_peer else "sglang-router was not installed: its column is missing. ")
         + f"The machine ({cpu_model()}, 2 cores) was shared with other jobs while this ran (load average "
-          "20-50), so absolute figures are noisy; compare rows within a table. " + a.note, ""]
+          "20-50), so absolute figures are noisy; compare rows within a table. "
+        + ("Rows `(before)` run the router from `--baseline-src`, the code before a change. " if a.baseline_src
+           else "") + "Round robin runs in the KV-pressure tables only. " + a.note, ""]
     titles = {"pressure-shared_prefix": "KV pressure, shared_prefix",
               "pressure-multi_turn": "KV pressure, multi_turn",
               "replicas": "two router replicas, traffic split at random",
