@@ -22,6 +22,10 @@ Usage::
                                                    [--max-concurrency-per-worker C] [--section NAME]
     python benchmarks/routing_experiment.py engine [--instances 2] [--no-doc]
                                                    [--max-concurrency C] [--section NAME]
+    python benchmarks/routing_experiment.py kv     [--scenarios ...] [--workers 4] [--no-doc]
+
+``kv`` (benchmarks/routing_kv.py): kv_aware against cache_aware on sim-workers that
+publish KV events, under KV pressure, two router replicas, direct traffic, DP ranks.
 
 Arrivals are Poisson (``--rate-per-worker`` / ``--rate``) unless a closed
 loop is asked for (``--max-concurrency...``: that many requests in flight,
@@ -390,7 +394,11 @@ def main() -> None:
     e.add_argument("--title", default="Routing: cache-aware vs round robin on real engines (CPU)")
     e.add_argument("--note", default="", help="a sentence added to the section's description")
     e.add_argument("--model", default="SmolLM2-135M-Instruct.Q4_1", help="model name the instances serve")
-    for q in (s, e):
+    import routing_kv
+
+    routing_kv.add_parser(sub)
+    k = sub.choices["kv"]
+    for q in (s, e, k):
         q.add_argument("--peer-python", default="/tmp/peers/bin/python")
         q.add_argument("--log-dir", default="/tmp/routing_experiment")
         q.add_argument("--no-doc", action="store_true")
@@ -418,7 +426,10 @@ def main() -> None:
     a.argv = sys.argv[2:]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop workers, router
     try:
-        (sim_part if a.part == "sim" else engine_part)(a)
+        if a.part == "kv":
+            routing_kv.kv_part(a)
+        else:
+            (sim_part if a.part == "sim" else engine_part)(a)
     except RuntimeError as e:  # a worker or router that would not start or died: its log says why
         sys.exit(f"routing_experiment: {e} (process logs in {a.log_dir})")
 

@@ -65,6 +65,7 @@ class RequestResult:
     latency: float = 0.0
     start: float = 0.0
     worker: str | None = None
+    route: str | None = None  # the router's x-fleetserve-route header, when it sent one
     text: str = ""
 
     def to_dict(self) -> dict:
@@ -136,6 +137,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: BenchRequest, 
         async with session.post(url, json=body) as resp:
             res.status = resp.status
             res.worker = resp.headers.get(WORKER_HEADER)
+            res.route = resp.headers.get("x-fleetserve-route")
             if resp.status != 200:
                 res.error = (await resp.text())[:500]
                 return res
@@ -186,16 +188,20 @@ async def run_requests(base_url: str, requests: list[BenchRequest], api: str = "
                        request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
                        stream: bool = True, ignore_eos: bool = True, time_scale: float = 1.0,
                        progress: bool = True, timeout_s: float = 3600.0,
-                       api_key: str | None = None) -> tuple[list[RequestResult], float]:
+                       api_key: str | None = None,
+                       url_for=None) -> tuple[list[RequestResult], float]:
     """Drive ``requests`` against ``base_url``; returns ``(results in input order, duration in s)``.
 
     ``api_key``: sent as ``Authorization: Bearer <api_key>`` on every request.
+    ``url_for``: ``(index, request) -> base URL`` to send request ``index`` somewhere else than
+    ``base_url`` (traffic split over router replicas, or straight to a worker); None: all to ``base_url``.
 
     The duration runs from the first send to the last response (divided by ``time_scale``).
     """
     if api not in ("chat", "completions"):
         raise ValueError("api must be chat or completions")
-    url = base_url.rstrip("/") + ("/v1/chat/completions" if api == "chat" else "/v1/completions")
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    url = base_url.rstrip("/") + path
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in requests:
@@ -234,11 +240,12 @@ async def run_requests(base_url: str, requests: list[BenchRequest], api: str = "
                         return
                     req = with_history(req, sent_messages[req.history_from], prev.text)
                 sent_messages[req.rid] = req.messages
+                to = url if url_for is None else url_for(i, req).rstrip("/") + path
                 if sem is not None:
                     async with sem:
-                        results[i] = await send_one(session, url, req, api, model, stream, ignore_eos, time_scale)
+                        results[i] = await send_one(session, to, req, api, model, stream, ignore_eos, time_scale)
                 else:
-                    results[i] = await send_one(session, url, req, api, model, stream, ignore_eos, time_scale)
+                    results[i] = await send_one(session, to, req, api, model, stream, ignore_eos, time_scale)
                 by_rid[req.rid] = results[i]
             finally:
                 done_events[req.rid].set()

@@ -13,9 +13,17 @@ One process can host many workers: ``--num-workers N`` opens ports
 With ``--kv-events-config`` each worker's radix cache publishes KV-cache events
 as an engine does (docs/kv_events.md), worker ``i`` on the endpoints' ports + ``i``;
 its ``/get_server_info`` reports that worker's own config (endpoints already
-offset) with ``page_size`` and ``dp_size`` 1, so a router finds the stream from
+offset) with ``page_size`` and ``dp_size``, so a router finds the stream from
 the worker URL alone. ``/get_load`` and ``/v1/loads`` answer in the engine's
 (SGLang's) shapes, built by the same code (:mod:`fleetserve.entrypoints.load_view`).
+
+``--dp-size D`` gives each worker ``D`` DP-attention ranks, each its own
+:class:`SimEngine` with its own radix cache and KV pool (as SGLang's DP attention
+keeps one per rank). A request names its rank as SGLang's router sends it
+(``routed_dp_rank`` in the body) or vLLM's (header ``X-data-parallel-rank``);
+without one the worker takes its ranks in turn (SGLang's default round-robin
+DP balancer). Rank ``r`` of worker ``i`` publishes KV events on the endpoints'
+ports + ``i * D + r``.
 
 Worker identity: every response carries the header ``X-Fleetserve-Worker`` and
 a top-level ``"worker_id"`` field (in the usage chunk when streaming), so the
@@ -68,9 +76,11 @@ def _positive_int(body: dict, key: str, default: int) -> int:
 class SimWorker:
     """One simulated worker: an HTTP app around a :class:`SimEngine`."""
 
-    def __init__(self, engine: SimEngine, tokenizer, model_name: str, stream_interval: int, url: str,
-                 kv_events_config: str | None = None):
-        self.engine = engine
+    def __init__(self, engine: SimEngine | list[SimEngine], tokenizer, model_name: str, stream_interval: int,
+                 url: str, kv_events_config: str | None = None):
+        self.engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
+        self.engine = self.engines[0]  # rank 0: the worker's name, model and KV-event endpoint
+        self._next_rank = 0
         self.kv_events_config = kv_events_config
         self.tok = tokenizer
         self.model_name = model_name
@@ -116,17 +126,51 @@ class SimWorker:
         return json.dumps(cfg)
 
     async def server_info(self, _req: web.Request) -> web.Response:
-        discovery = router_discovery_fields({"page_size": self.engine.model.page_size, "dp_size": 1,
+        discovery = router_discovery_fields({"page_size": self.engine.model.page_size,
+                                             "dp_size": len(self.engines),
                                              "kv_events_config": self._own_kv_events_config()})
+        stats = {k: sum(e.stats[k] for e in self.engines) for k in self.engine.stats}
         return web.json_response({"model_path": self.model_name, "worker_id": self.engine.name, "url": self.url,
                                   "tokenizer": self.tok.name, "stream_interval": self.stream_interval,
-                                  "timing_model": self.engine.model.to_dict(), "stats": dict(self.engine.stats),
+                                  "timing_model": self.engine.model.to_dict(), "stats": stats,
                                   "load": self.engine.load(), **discovery,
-                                  "scheduler_stats": [self.engine.scheduler_stats().__dict__]})
+                                  "scheduler_stats": [s.__dict__ for s in self._rank_stats()]})
+
+    def _rank_stats(self) -> list:
+        """Each rank's SchedulerStats, ``dp_rank`` set."""
+        import dataclasses
+
+        return [dataclasses.replace(e.scheduler_stats(), dp_rank=r) for r, e in enumerate(self.engines)]
+
+    def _pick(self, req: web.Request, body: dict) -> SimEngine:
+        """The rank's engine, chosen as the engine's DP controller does (docs/load-and-metrics.md): the
+        ``X-data-parallel-rank`` header (vLLM's) wins over ``routed_dp_rank`` (SGLang's; its older name
+        ``data_parallel_rank``); without either the ranks take turns.
+
+        Raises ``ValueError`` (the engine's 400 messages) for a header that is not an integer or a rank
+        outside ``[0, dp_size)``."""
+        n = len(self.engines)
+        raw = req.headers.get("X-data-parallel-rank")
+        if raw is not None:
+            try:
+                raw = int(raw)
+            except ValueError:
+                raise ValueError(f"Invalid X-Data-Parallel-Rank header: must be an integer, got {raw!r}") from None
+        else:
+            raw = body.get("routed_dp_rank", body.get("data_parallel_rank"))
+        if raw is None:
+            r = self._next_rank
+            self._next_rank = (r + 1) % n
+            return self.engines[r]
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ValueError(f"routed_dp_rank must be an integer, got {raw!r}")
+        if not 0 <= raw < n:
+            raise ValueError(f"routed_dp_rank={raw} out of range [0, {n})")
+        return self.engines[raw]
 
     async def get_load(self, _req: web.Request) -> web.Response:
         """SGLang's older per-rank list, as ``fleetserve serve`` answers it (one rank)."""
-        return web.json_response(legacy_load([self.engine.scheduler_stats()], time.perf_counter()))
+        return web.json_response(legacy_load(self._rank_stats(), time.perf_counter()))
 
     async def get_loads(self, req: web.Request) -> web.Response:
         """SGLang's ``/v1/loads`` (query ``dp_rank``, ``include``, ``format``), as ``fleetserve serve`` answers it."""
@@ -135,30 +179,35 @@ class SimWorker:
         except LoadsQueryError as e:
             return _error(400, str(e), e.param)
         try:
-            stats = select_ranks([self.engine.scheduler_stats()], 1, dp_rank)
+            stats = select_ranks(self._rank_stats(), len(self.engines), dp_rank)
         except ValueError as e:
             return _error(400, str(e), "dp_rank")
         if fmt == "prometheus":
             return web.Response(body=loads_prometheus(stats), headers={"Content-Type": CONTENT_TYPE})
-        return web.json_response(loads_body(stats, 1))
+        return web.json_response(loads_body(stats, len(self.engines)))
 
     async def metrics(self, _req: web.Request) -> web.Response:
-        s, ld, w = self.engine.stats, self.engine.load(), self.engine.name
+        w = self.engine.name
+        s = {k: sum(e.stats[k] for e in self.engines) for k in self.engine.stats}
+        ld = {k: sum(e.load()[k] for e in self.engines) for k in self.engine.load()}
         lines = []
         for key, kind in (("num_requests", "counter"), ("prompt_tokens", "counter"), ("cached_tokens", "counter"),
                           ("generation_tokens", "counter")):
             lines += [f"# TYPE fleetserve:{key}_total {kind}", f'fleetserve:{key}_total{{worker="{w}"}} {s[key]}']
         for key in ("num_running_reqs", "num_waiting_reqs", "cache_tokens"):
             lines += [f"# TYPE fleetserve:{key} gauge", f'fleetserve:{key}{{worker="{w}"}} {ld[key]}']
-        ev = self.engine.event_sink
-        if ev is not None:  # KV-event batches (--kv-events-config), as the engine's /metrics names them
+        sinks = [e.event_sink for e in self.engines if e.event_sink is not None]
+        if sinks:  # KV-event batches (--kv-events-config), as the engine's /metrics names them
             for key in ("published", "dropped"):
+                n = sum(getattr(ev, key) for ev in sinks)
                 lines += [f"# TYPE fleetserve:kv_events_{key}_total counter",
-                          f'fleetserve:kv_events_{key}_total{{worker="{w}"}} {getattr(ev, key)}']
+                          f'fleetserve:kv_events_{key}_total{{worker="{w}"}} {n}']
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def flush_cache(self, _req: web.Request) -> web.Response:
-        if self.engine.flush_cache():
+        if any(e.waiting or e.running for e in self.engines):
+            return _error(400, "cannot flush the cache while requests are queued or running")
+        if all([e.flush_cache() for e in self.engines]):
             return web.Response(text="Cache flushed.\n")
         return _error(400, "cannot flush the cache while requests are queued or running")
 
@@ -172,8 +221,8 @@ class SimWorker:
             raise ValueError("request body must be a JSON object")
         return body
 
-    def _new_request(self, input_ids: list[int], max_new: int) -> SimRequest:
-        cap = self.engine.capacity
+    def _new_request(self, input_ids: list[int], max_new: int, engine: SimEngine | None = None) -> SimRequest:
+        cap = (engine or self.engine).capacity
         if len(input_ids) + max_new > cap:  # before synthesizing a huge output
             raise RequestTooLong(f"prompt ({len(input_ids)} tokens) + max_tokens ({max_new}) exceeds the KV "
                                  f"capacity ({cap} tokens)")
@@ -229,8 +278,9 @@ class SimWorker:
         except ValueError as e:
             return _error(400, str(e))
         try:
-            r = self._new_request(ids, max_new)
-            self.engine.submit(r)
+            eng = self._pick(req, body)
+            r = self._new_request(ids, max_new, eng)
+            eng.submit(r)
         except (RequestTooLong, ValueError) as e:
             return _error(400, str(e))
         headers = {WORKER_HEADER: self.engine.name}
@@ -242,7 +292,7 @@ class SimWorker:
                     "e2e_latency": time.monotonic() - r.arrival}
 
         if not body.get("stream"):
-            await self._drain(r)
+            await self._drain(r, eng)
             return web.json_response({"text": "".join(r.output_pieces[:r.sent]), "output_ids": r.output_ids[:r.sent],
                                       "meta_info": meta(True)}, headers=headers)
         resp = await self._start_sse(req, headers)
@@ -256,18 +306,18 @@ class SimWorker:
                     break
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
-            self.engine.abort(r)
+            eng.abort(r)
             raise
         return resp
 
-    async def _drain(self, r: SimRequest) -> None:
+    async def _drain(self, r: SimRequest, engine: SimEngine) -> None:
         try:
             while True:
                 _ids, _pieces, done = await r.events.get()
                 if done:
                     return
         except asyncio.CancelledError:
-            self.engine.abort(r)
+            engine.abort(r)
             raise
 
     async def _start_sse(self, req: web.Request, headers: dict) -> web.StreamResponse:
@@ -279,8 +329,9 @@ class SimWorker:
     async def _serve_openai(self, req: web.Request, body: dict, ids: list[int], max_new: int,
                             chat: bool) -> web.StreamResponse:
         try:
-            r = self._new_request(ids, max_new)
-            self.engine.submit(r)
+            eng = self._pick(req, body)
+            r = self._new_request(ids, max_new, eng)
+            eng.submit(r)
         except (RequestTooLong, ValueError) as e:
             return _error(400, str(e))
         headers = {WORKER_HEADER: self.engine.name}
@@ -293,7 +344,7 @@ class SimWorker:
                     "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
         if not body.get("stream"):
-            await self._drain(r)
+            await self._drain(r, eng)
             text = "".join(r.output_pieces[:r.sent])
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
@@ -327,7 +378,7 @@ class SimWorker:
                 await send([], usage=usage(), worker_id=self.engine.name)
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
-            self.engine.abort(r)
+            eng.abort(r)
             raise
         return resp
 
@@ -346,8 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps between streamed chunks (SGLang's --stream-interval); the first token is "
                         "always sent at once")
     p.add_argument("--kv-events-config", default=None,
-                   help="publish KV-cache events as vLLM/SGLang do (JSON, see docs/kv_events.md); worker i "
-                        "uses the endpoint ports + i, data_parallel_rank 0 (each worker is its own instance)")
+                   help="publish KV-cache events as vLLM/SGLang do (JSON, see docs/kv_events.md); rank r of "
+                        "worker i uses the endpoint ports + i * dp_size + r, data_parallel_rank r")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="DP-attention ranks per worker (SGLang's --dp-size), each with its own radix cache and "
+                        "KV pool; a request names its rank with routed_dp_rank or X-data-parallel-rank, else "
+                        "the ranks take turns")
     p.add_argument("--access-log", action="store_true",
                    help="log one line per HTTP request (aiohttp's access log, to stderr); off by default")
     timing_model.add_arguments(p)
@@ -380,9 +435,12 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
     for i in range(args.num_workers):
         port = args.port + i
         url = f"http://{args.host}:{port}"
-        eng = SimEngine(model, name=f"{args.host}:{port}", event_sink=make_publisher(kv_events, 0, port_offset=i))
-        eng.start()
-        worker = SimWorker(eng, tok, args.model_name, args.stream_interval, url,
+        dp = getattr(args, "dp_size", 1)
+        ranks = [SimEngine(model, name=f"{args.host}:{port}",
+                           event_sink=make_publisher(kv_events, r, port_offset=i * dp + r)) for r in range(dp)]
+        for eng in ranks:
+            eng.start()
+        worker = SimWorker(ranks, tok, args.model_name, args.stream_interval, url,
                            getattr(args, "kv_events_config", None) if kv_events else None)
         runner = web.AppRunner(worker.app, access_log=_access_logger(getattr(args, "access_log", False)),
                                shutdown_timeout=2.0)
@@ -390,10 +448,11 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
         site = web.TCPSite(runner, args.host, port, backlog=4096)
         await site.start()
         runners.append(runner)
-        engines.append(eng)
+        engines.extend(ranks)
         if port == 0:  # the port the OS picked, so the line below names where it really listens
             args.port = port = runner.addresses[0][1]
-            eng.name = f"{args.host}:{port}"
+            for eng in ranks:
+                eng.name = f"{args.host}:{port}"
             worker.url = f"http://{args.host}:{port}"
     print(f"sim-worker: {args.num_workers} worker(s) on http://{args.host}:{args.port}"
           f"..{args.port + args.num_workers - 1} ({args.profile}, time_scale={model.time_scale})", flush=True)
@@ -416,8 +475,8 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.num_workers < 1 or args.stream_interval < 1:
-        print("--num-workers and --stream-interval must be >= 1", file=sys.stderr)
+    if args.num_workers < 1 or args.stream_interval < 1 or args.dp_size < 1:
+        print("--num-workers, --stream-interval and --dp-size must be >= 1", file=sys.stderr)
         return 2
     try:
         parse_kv_events_config(args.kv_events_config)

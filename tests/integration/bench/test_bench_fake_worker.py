@@ -172,3 +172,37 @@ async def test_cli_writes_json_and_png(tmp_path):
     data = json.loads((tmp_path / "o.json").read_text())
     assert data["summary"]["completed"] == 6 and len(data["requests"]) == 6
     assert (tmp_path / "o.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(60)
+async def test_url_for_sends_each_request_where_it_says_and_the_route_header_is_kept():
+    runners, urls = [], []
+    for name in ("A", "B"):
+        r, u = await start(make_app(name, True))
+        runners.append(r)
+        urls.append(u)
+
+    async def routed(req):  # a front that streams one chunk with an x-fleetserve-route header
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "x-fleetserve-route": "target=http://a:1; branch=exact"})
+        await resp.prepare(req)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "w"}}]}
+        final = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}, "worker_id": "R"}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: " + json.dumps(final).encode()
+                         + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", routed)
+    fr, furl = await start(app)
+    try:
+        reqs = random_prompts(num_prompts=6, input_len=5, output_len=CHUNKS, seed=2)
+        dest = [urls[0], urls[1], furl, urls[1], furl, urls[0]]
+        results, _ = await run_requests(urls[0], reqs, progress=False, timeout_s=30,
+                                        url_for=lambda i, _r: dest[i])
+    finally:
+        for r in runners + [fr]:
+            await r.cleanup()
+    assert [r.worker for r in results] == ["A", "B", "R", "B", "R", "A"]
+    assert [r.route for r in results] == [None, None, "target=http://a:1; branch=exact", None,
+                                          "target=http://a:1; branch=exact", None]

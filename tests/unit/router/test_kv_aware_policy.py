@@ -28,7 +28,7 @@ def test_cached_prefix_wins_and_the_decision_is_recorded():
     key = RouteKey("", P + [1, 2], decode_tokens=10)
     assert pol.select([wa, wb], key) is wb
     assert (key.target, key.branch, key.cached) == ((B, None), "exact", 32)
-    assert pol.load_tokens == {(B, None): 34 + 10}
+    assert pol.load_tokens == {(B, None): 34 - 32 + 10}  # the KV it adds on B: uncached prompt + decode
     pol.release(key)
     assert pol.load_tokens == {} and pol.inflight == {}
 

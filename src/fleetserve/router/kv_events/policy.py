@@ -13,7 +13,9 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   ``--dp-aware`` a worker's value is the best of its ranks (the worker's own
   DP balancer picks the rank).
 * ``load_tokens(t)``: this router's in-flight tokens on ``t``: each request
-  counts its prompt tokens plus its ``max_tokens`` / ``max_new_tokens``
+  counts the KV it adds there, its prompt tokens less the ``cached_tokens(t)``
+  it was routed on (a prefix shared by requests in flight counts once, as
+  the engine holds it once), plus its ``max_tokens`` / ``max_new_tokens``
   (:data:`DEFAULT_DECODE_TOKENS` when absent, at most :data:`MAX_DECODE_TOKENS`)
   from the routing decision until its answer ends; while the engine's own
   ``/v1/loads`` figure is fresh, the larger of the two, the engine's less what
@@ -248,7 +250,7 @@ class KvAwarePolicy:
             for r in ((rank,) if rank is not None else self.ranks(url)):
                 self.index.add_speculative((url, r), key.tokens, self.speculative_ttl_s)
         lk = (url, rank)
-        n = key.prompt_tokens + key.decode_tokens
+        n = key.prompt_tokens - key.cached + key.decode_tokens  # the KV it adds there: shared pages count once
         self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
         self.inflight[lk] = self.inflight.get(lk, 0) + 1
         key.charged = (lk, n, time.monotonic())
