@@ -13,7 +13,7 @@ The compiled runner is built with buckets ``1, 8, 32`` only (the default list,
 ``1, 2, 4, 8, 16, 24, 32``, would compile seven graphs); a batch between two
 buckets is padded to the next one. ``--freezing`` adds a third variant compiled
 with inductor's ``freezing`` (weights folded as constants, oneDNN-packed linears).
-``--profile`` prints torch.profiler's top ops of one step of each variant at batch 32.
+``--profile`` prints torch.profiler's top ops of one step of each variant at the largest batch.
 
 Usage::
 
@@ -77,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--buckets", default=",".join(map(str, BUCKETS)), help="compiled buckets = batch sizes measured")
     ap.add_argument("--freezing", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-engine", action="store_true", help="decode-step table only")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    buckets = [int(x) for x in a.buckets.split(",")]
 
     import fleetserve.engine.compiled_decode_runner as cdr
     from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
@@ -102,14 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         if freeze:
             cdr.COMPILE_OPTIONS["freezing"] = True
         t0 = time.perf_counter()
-        runners[name] = ModelRunner(path, enable_torch_compile=True, graph_batch_sizes=BUCKETS, **kw)
+        runners[name] = ModelRunner(path, enable_torch_compile=True, graph_batch_sizes=buckets, **kw)
         compile_s[name] = time.perf_counter() - t0
         print(f"{name}: built in {compile_s[name]:.0f} s, per bucket "
               f"{ {b: round(s) for b, s in runners[name].graph_runner.compile_seconds.items()} }", flush=True)
     names = list(runners)
 
     step_rows = []
-    for bs in BUCKETS:
+    for bs in buckets:
         ms = {}
         for name in names:
             fb, slots = decode_batch(runners[name], bs)
@@ -124,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         from torch.profiler import ProfilerActivity, profile
 
         for name in names:
-            fb, slots = decode_batch(runners[name], 32)
+            fb, slots = decode_batch(runners[name], buckets[-1])
             runners[name].forward(fb)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
                     runners[name].forward(fb)
             runners[name].allocator.free(slots)
-            print(f"--- profile {name}, 3 steps at batch 32")
+            print(f"--- profile {name}, 3 steps at batch {buckets[-1]}")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
     engine_rows = []
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     body = (f"{lscpu_model()}; 2 cores shared with other jobs (noisy: compare within a row). "
-            f"torch {torch.__version__}, {a.threads} threads, float32. Compiled runner: buckets {BUCKETS}, KV width dynamic; start-up "
+            f"torch {torch.__version__}, {a.threads} threads, float32. Compiled runner: buckets {buckets}, KV width dynamic; start-up "
             + ", ".join(f"{n} {s:.0f} s" for n, s in compile_s.items())
             + f" (eager load included). Peak RSS of the process with all runners: {rss_gib:.1f} GiB.\n\n"
             f"Decode step (`ModelRunner.forward`, {a.steps} steps, every request 65 tokens long):\n\n"
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         from doc_section import write_section
 
         write_section("compile_throughput", "Decode with --enable-torch-compile vs eager (SmolLM2, CPU)",
-                      "python benchmarks/compile_throughput.py", body)
+                      " ".join(["python benchmarks/compile_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+                      body)
     return 0
 
 
