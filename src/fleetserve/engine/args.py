@@ -84,6 +84,13 @@ class ServerArgs:
             so on CPU this changes nothing (SGLang's flag).
         cuda_graph_max_bs: largest decode batch (under DP attention: largest count of
             any attention group) replayed through a graph; ``None`` = 32.
+        enable_torch_compile: ``--enable-torch-compile`` (SGLang's flag, off by default): on
+            CPU, decode batches up to ``torch_compile_max_bs`` run a ``torch.compile``-d step
+            padded to batch-size buckets, behind the same gate as the CUDA graphs (under DP
+            attention every rank agrees first); compiles every bucket at start-up (minutes
+            on SmolLM2). Ignored on CUDA and with more than one rank per instance (TP / DP
+            attention). See docs/benchmarks.md for whether it pays.
+        torch_compile_max_bs: largest compiled decode batch (SGLang's default 32).
 
     Parallelism (see ARCHITECTURE.md for the meaning of sizes):
         tp_size, dp_size, enable_dp_attention, ep_size, moe_a2a_backend,
@@ -128,6 +135,8 @@ class ServerArgs:
     stream_interval: int = 1
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
 
     tp_size: int = 1
     dp_size: int = 1
@@ -188,6 +197,8 @@ class ServerArgs:
                              f"(--max-total-tokens {self.max_total_tokens})")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if int(self.torch_compile_max_bs) < 1:
+            raise ValueError(f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"--context-length must be >= 1, got {self.context_length}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -280,6 +291,10 @@ class ServerArgs:
         g.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
         g.add_argument("--cuda-graph-max-bs", type=int, default=default("cuda_graph_max_bs"),
                        help="largest decode batch replayed through a CUDA graph (default 32)")
+        g.add_argument("--enable-torch-compile", action="store_true",
+                       help="CPU: decode through torch.compile, padded to batch-size buckets (compiles at start-up)")
+        g.add_argument("--torch-compile-max-bs", type=int, default=default("torch_compile_max_bs"),
+                       help="largest decode batch run compiled (default 32)")
 
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=default("tp_size"))

@@ -20,7 +20,11 @@ IDLE batch whose step every rank agreed may use a graph
 token 0 at position 0, write their KV to the scratch slot 0 and attend only to
 it (sequence length 1), so no real slot is touched; their logits are dropped.
 On CPU nothing changes unless ``eager_graph_stand_in=True`` (tests), which runs
-the same padded path eagerly.
+the same padded path eagerly, or ``enable_torch_compile=True``
+(``--enable-torch-compile``), which runs it through ``torch.compile`` for buckets
+up to ``torch_compile_max_bs``
+(:class:`~fleetserve.engine.compiled_decode_runner.CompiledDecodeRunner`), behind
+the same gate (``decode_graphs_enabled``, the DP-attention agreement).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
 from fleetserve.core.kv_pool import TokenSlotAllocator
 from fleetserve.core.forward_context import ForwardContext
 from fleetserve.layers.quantization import apply_quantization, check_quantization
+from fleetserve.engine.compiled_decode_runner import CompiledDecodeRunner, run_host_syncing_modules_eagerly
 from fleetserve.engine.cuda_graph_runner import (DecodeGraphRunner, EagerDecodeGraphRunner, default_batch_sizes,
                                                  default_seq_len_buckets)
 from fleetserve.models.config import architecture, is_gguf, load_model_config, resolve_dtype
@@ -53,6 +58,8 @@ MAX_AUTO_TOKENS = 1 << 20
 #: than SGLang's (up to 160+): attention here gathers every row's KV up to the
 #: captured width, so a graph's cost grows with bs x width.
 DEFAULT_CUDA_GRAPH_MAX_BS = 32
+#: Largest decode batch compiled when ``torch_compile_max_bs`` is not set (SGLang's default).
+DEFAULT_TORCH_COMPILE_MAX_BS = 32
 #: Pad values of the static decode inputs (see the module docstring).
 GRAPH_PAD_VALUES = {"input_ids": 0, "positions": 0, "out_cache_loc": 0, "seq_lens": 1, "kv_idx": 0}
 
@@ -117,6 +124,13 @@ class ModelRunner:
         page_size: KV slots per page (``--page-size``); the pool is rounded down to whole pages.
         quantization: ``--quantization`` (``none``, ``int8``, ``w8a8_int8``, ``auto``; see
             :mod:`fleetserve.layers.quantization`); applied once after the weights load.
+        enable_torch_compile: on a non-CUDA device, decode batches up to ``torch_compile_max_bs``
+            through ``torch.compile`` (``--enable-torch-compile``; compiles every bucket at
+            start-up). Ignored (logged) on CUDA, where the CUDA graphs run, and with more than
+            one rank (``pstate.tp_size > 1``: collectives inside a compiled graph are untested).
+        torch_compile_max_bs: largest compiled bucket (``--torch-compile-max-bs``; default 32).
+        graph_batch_sizes: the buckets themselves, instead of :func:`default_batch_sizes` of the
+            max (like SGLang's ``--cuda-graph-bs``; tests and benchmarks use it to compile fewer).
 
     Raises:
         RuntimeError: capturing the decode graphs failed on CUDA (retry with
@@ -135,7 +149,8 @@ class ModelRunner:
                  pstate: ParallelState = SINGLE_RANK_STATE, device: str | torch.device = "cpu", show_progress: bool = True,
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int | None = None,
                  eager_graph_stand_in: bool = False, graph_seq_len_buckets: list[int] | None = None,
-                 page_size: int = 1, quantization: str | None = "none"):
+                 page_size: int = 1, quantization: str | None = "none", enable_torch_compile: bool = False,
+                 torch_compile_max_bs: int | None = None, graph_batch_sizes: list[int] | None = None):
         self.model_path = model_path or default_model_path()
         self.device = torch.device(device)
         self.pstate = pstate
@@ -174,8 +189,20 @@ class ModelRunner:
             pstate.ep_rank, pstate.ep_size, type(self.kv_pool).__name__, self.kv_bytes_per_token,
             self.max_total_tokens, self.max_total_tokens * self.kv_bytes_per_token / 2**20)
         self.graph_runner: DecodeGraphRunner | None = None
-        if not disable_cuda_graph and (self.device.type == "cuda" or eager_graph_stand_in):
-            self._init_graph_runner(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS,
+        if enable_torch_compile and self.device.type == "cuda":
+            logger.warning("--enable-torch-compile is CPU-only here; on CUDA the decode CUDA graphs run uncompiled")
+        if enable_torch_compile and self.device.type != "cuda" and pstate.tp_size > 1:
+            # The collectives inside the forward (gloo) have not been run inside a compiled graph yet.
+            logger.warning("--enable-torch-compile: one rank per instance only for now; %d ranks decode eagerly",
+                           pstate.tp_size)
+            enable_torch_compile = False
+        if enable_torch_compile and self.device.type != "cuda":
+            sizes = graph_batch_sizes or default_batch_sizes(torch_compile_max_bs or DEFAULT_TORCH_COMPILE_MAX_BS)
+            self._init_compiled_runner(sizes,
+                                       graph_seq_len_buckets or default_seq_len_buckets(self.max_context_len))
+        elif not disable_cuda_graph and (self.device.type == "cuda" or eager_graph_stand_in):
+            sizes = graph_batch_sizes or default_batch_sizes(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS)
+            self._init_graph_runner(sizes,
                                     graph_seq_len_buckets or default_seq_len_buckets(self.max_context_len))
 
     # ------------------------------------------------------------ decode graphs
@@ -184,8 +211,7 @@ class ModelRunner:
         """Whether a decode step may go through the graph runner (the DP hook's ``check_graph``)."""
         return self.graph_runner is not None
 
-    def _init_graph_runner(self, max_bs: int, seq_len_buckets: list[int]) -> None:
-        sizes = default_batch_sizes(max_bs)
+    def _init_graph_runner(self, sizes: list[int], seq_len_buckets: list[int]) -> None:
         if self.device.type != "cuda":
             self.graph_runner = EagerDecodeGraphRunner(self._static_decode_forward, self._make_static_inputs,
                                                        GRAPH_PAD_VALUES, sizes, seq_len_buckets)
@@ -206,6 +232,19 @@ class ModelRunner:
         self.graph_runner = runner
         logger.info("captured %d decode CUDA graphs (batch sizes %s, KV widths %s)", len(runner.graphs),
                     sizes, seq_len_buckets)
+
+    def _init_compiled_runner(self, sizes: list[int], seq_len_buckets: list[int]) -> None:
+        eager = run_host_syncing_modules_eagerly(self.model)
+        if eager:
+            logger.info("compiled decode: %s run eagerly inside the step (host reads)", ", ".join(eager))
+        runner = CompiledDecodeRunner(self._static_decode_forward, self._make_static_inputs, GRAPH_PAD_VALUES,
+                                      sizes, seq_len_buckets)
+        try:
+            runner.capture()
+        except Exception as e:
+            raise RuntimeError(f"compiling the decode step failed ({type(e).__name__}: {e}); "
+                               "start without --enable-torch-compile to decode eagerly") from e
+        self.graph_runner = runner
 
     def _make_static_inputs(self, bs: int, seq_len: int) -> dict[str, torch.Tensor]:
         """Static decode buffers of one key, filled with the padding values."""

@@ -71,6 +71,8 @@ class PackedLinear:
         self._failed = False
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._traced(x, weight, bias)
         if (not ENABLED or self._failed or x.device.type != "cpu" or x.dtype != torch.float32
                 or weight.dtype != torch.float32 or torch.is_grad_enabled() or x.dim() != 2
                 or not MIN_ROWS <= x.shape[0] <= MAX_ROWS):
@@ -87,3 +89,10 @@ class PackedLinear:
                 return F.linear(x, weight, bias)
             self._key = key
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
+
+    @staticmethod
+    def _traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The call as torch.compile traces it (``--enable-torch-compile``): plain ``F.linear``.
+        Inductor lowers oneDNN's packed linear only for weights it froze itself
+        (``freezing``), so the packed copy made here cannot go into a compiled graph."""
+        return F.linear(x, weight, bias)

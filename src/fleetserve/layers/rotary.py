@@ -193,9 +193,10 @@ class RotaryEmbedding(nn.Module):
         return self._lookup(positions)
 
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # The growth check reads positions on the host, which a CUDA graph capture forbids;
-        # captured decode positions stay below the model runner's max_context_len.
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        # The growth check reads positions on the host, which a CUDA graph capture forbids
+        # (and which would split a torch.compile graph); captured / compiled decode
+        # positions stay below the model runner's max_context_len, which the cache covers.
+        capturing = torch.compiler.is_compiling() or (positions.is_cuda and torch.cuda.is_current_stream_capturing())
         if not capturing and positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             self._build(max(int(positions.max()) + 1, 2 * self.cos_cache.shape[0]))
         if self.cos_cache.device != positions.device:

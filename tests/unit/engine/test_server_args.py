@@ -83,3 +83,25 @@ def test_allocator_refuses_a_pool_smaller_than_a_page():
         TokenSlotAllocator(10, 16)
     a = TokenSlotAllocator(70, 16)  # rounded down to whole pages
     assert a.size == 64 and a.num_pages == 4 and a.max_slot == 79 and a.available_size() == 64
+
+
+def test_torch_compile_flags_parse_with_sglang_defaults():
+    # SGLang's server_args: enable_torch_compile = False, torch_compile_max_bs = 32
+    b = parse([])
+    assert b.enable_torch_compile is False and b.torch_compile_max_bs == 32
+    a = parse(["--enable-torch-compile", "--torch-compile-max-bs", "8"])
+    assert a.enable_torch_compile is True and a.torch_compile_max_bs == 8
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_torch_compile_max_bs_below_one_is_refused_naming_the_flag(value):
+    with pytest.raises(ValueError) as e:
+        ServerArgs(torch_compile_max_bs=value)
+    assert str(e.value) == f"--torch-compile-max-bs must be >= 1, got {value}"
+
+
+def test_serve_refuses_a_bad_torch_compile_max_bs_in_one_line(capsys):
+    from fleetserve.entrypoints import serve
+
+    assert serve.main(["--enable-torch-compile", "--torch-compile-max-bs", "0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["fleetserve serve: --torch-compile-max-bs must be >= 1, got 0"]

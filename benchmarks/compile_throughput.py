@@ -1,0 +1,186 @@
+"""Decode throughput of SmolLM2, eager vs ``--enable-torch-compile``, in one run.
+
+Two measurements, each with the variants side by side (same process, same
+prompts, the variants taking turns at each level so machine noise hits them alike):
+
+* decode step: ``ModelRunner.forward`` on one DECODE batch of ``bs`` requests
+  (every request 64 tokens in, KV width 256), mean over ``--steps`` steps after
+  warm-up; reported as ms/step and decode tokens/s (``bs / step time``);
+* engine: the in-process scheduler (as ``benchmarks/quant_throughput.py``), a
+  closed loop of greedy requests at concurrency 1, 8, 32, output tokens/s.
+
+The compiled runner is built with buckets ``1, 8, 32`` only (the default list,
+``1, 2, 4, 8, 16, 24, 32``, would compile seven graphs); a batch between two
+buckets is padded to the next one. ``--freezing`` adds a third variant compiled
+with inductor's ``freezing`` (weights folded as constants, oneDNN-packed linears).
+``--profile`` prints torch.profiler's top ops of one step of each variant at the largest batch.
+
+Usage::
+
+    python benchmarks/compile_throughput.py               # writes docs/benchmarks.md
+    python benchmarks/compile_throughput.py --no-write --freezing --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_throughput import prompts_for  # noqa: E402
+from quant_throughput import closed_loop  # noqa: E402
+
+BUCKETS = [1, 8, 32]
+
+
+def decode_batch(runner, bs: int, ctx: int = 64):
+    """Allocate ``bs`` requests of ``ctx`` cached tokens and return (DECODE ForwardBatch, slots to free)."""
+    from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
+
+    slots = runner.allocator.alloc(bs * (ctx + 1))
+    per = slots.view(bs, ctx + 1)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    seq = t([ctx + 1] * bs)
+    fb = ForwardBatch(mode=ForwardMode.DECODE, input_ids=t([(17 * i) % 1000 + 5 for i in range(bs)]),
+                      positions=t([ctx] * bs), out_cache_loc=per[:, -1].clone(), seq_lens=seq,
+                      extend_prefix_lens=seq - 1, extend_seq_lens=torch.ones(bs, dtype=torch.int64),
+                      kv_indices=[per[i].clone() for i in range(bs)])
+    return fb, slots
+
+
+def step_ms(runner, fb, steps: int) -> float:
+    for _ in range(2):
+        runner.forward(fb)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.forward(fb)
+    return (time.perf_counter() - t0) / steps * 1000
+
+
+def lscpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except Exception:
+        return "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--buckets", default=",".join(map(str, BUCKETS)), help="compiled buckets = batch sizes measured")
+    ap.add_argument("--freezing", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-engine", action="store_true", help="decode-step table only")
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    buckets = [int(x) for x in a.buckets.split(",")]
+
+    import fleetserve.engine.compiled_decode_runner as cdr
+    from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
+    from fleetserve.engine.args import ServerArgs
+    from fleetserve.engine.model_runner import ModelRunner
+    from fleetserve.engine.rank_builder import build_rank
+    from fleetserve.models.registry import default_model_path
+    from fleetserve.models.tokenizer import load_tokenizer
+
+    path = default_model_path()
+    kw = dict(dtype="float32", max_total_tokens=16384, show_progress=False)
+    runners = {"eager": ModelRunner(path, **kw)}
+    compile_s = {}
+    variants = [("compiled", False)] + ([("compiled+freezing", True)] if a.freezing else [])
+    for name, freeze in variants:
+        cdr.COMPILE_OPTIONS.clear()
+        if freeze:
+            cdr.COMPILE_OPTIONS["freezing"] = True
+        t0 = time.perf_counter()
+        runners[name] = ModelRunner(path, enable_torch_compile=True, graph_batch_sizes=buckets, **kw)
+        compile_s[name] = time.perf_counter() - t0
+        print(f"{name}: built in {compile_s[name]:.0f} s, per bucket "
+              f"{ {b: round(s) for b, s in runners[name].graph_runner.compile_seconds.items()} }", flush=True)
+    names = list(runners)
+
+    step_rows = []
+    for bs in buckets:
+        ms = {}
+        for name in names:
+            fb, slots = decode_batch(runners[name], bs)
+            ms[name] = step_ms(runners[name], fb, a.steps)
+            runners[name].allocator.free(slots)
+        for name in names:
+            step_rows.append((bs, name, ms[name], bs / ms[name] * 1000, ms["eager"] / ms[name]))
+            print(f"decode bs={bs:>2} {name:>18}: {ms[name]:7.1f} ms/step  {bs / ms[name] * 1000:7.1f} tok/s  "
+                  f"({ms['eager'] / ms[name]:.2f}x eager)", flush=True)
+
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name in names:
+            fb, slots = decode_batch(runners[name], buckets[-1])
+            runners[name].forward(fb)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    runners[name].forward(fb)
+            runners[name].allocator.free(slots)
+            print(f"--- profile {name}, 3 steps at batch {buckets[-1]}")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+    engine_rows = []
+    if not a.no_engine:
+        tok = load_tokenizer(path)
+        scheds = {}
+        for name in names:
+            args = ServerArgs(model_path=path, dtype="float32", max_total_tokens=16384, random_seed=0)
+            scheds[name] = build_rank(args, SINGLE_RANK_STATE, runner=runners[name]).scheduler
+            closed_loop(scheds[name], [tok.encode(p) for p in prompts_for(2)], 2, 4, "warm")
+        for c in [int(x) for x in a.concurrency.split(",")]:
+            n = max(4, c)
+            ids = [tok.encode(t) for t in prompts_for(n)]
+            res = {}
+            for name in names:
+                scheds[name].flush_cache()
+                res[name] = closed_loop(scheds[name], ids, c, a.max_new_tokens, name)
+            for name in names:
+                tps, ttft, outs = res[name]
+                same = outs == res["eager"][2]
+                engine_rows.append((c, n, name, tps, tps / res["eager"][0], ttft, same))
+                print(f"engine c={c:>2} {name:>18}: {tps:7.1f} tok/s ({tps / res['eager'][0]:.2f}x eager), "
+                      f"TTFT {ttft * 1000:6.0f} ms, tokens == eager: {same}", flush=True)
+
+    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    body = (f"{lscpu_model()}; 2 cores shared with other jobs (noisy: compare within a row). "
+            f"torch {torch.__version__}, {a.threads} threads, float32. Compiled runner: buckets {buckets}, KV width dynamic; start-up "
+            + ", ".join(f"{n} {s:.0f} s" for n, s in compile_s.items())
+            + f" (eager load included). Peak RSS of the process with all runners: {rss_gib:.1f} GiB.\n\n"
+            f"Decode step (`ModelRunner.forward`, {a.steps} steps, every request 65 tokens long):\n\n"
+            "| batch | variant | ms/step | decode tok/s | vs eager |\n|---|---|---|---|---|\n")
+    body += "\n".join(f"| {b} | {n} | {m:.1f} | {t:.1f} | {r:.2f}x |" for b, n, m, t, r in step_rows) + "\n"
+    if engine_rows:
+        body += (f"\nEngine closed loop ({a.max_new_tokens} greedy tokens per request, ignore_eos; variants "
+                 "interleaved per level):\n\n"
+                 "| concurrency | requests | variant | output tok/s | vs eager | mean TTFT (ms) | tokens == eager |\n"
+                 "|---|---|---|---|---|---|---|\n")
+        body += "\n".join(f"| {c} | {n} | {m} | {t:.1f} | {r:.2f}x | {tt * 1000:.0f} | {'yes' if s else 'no'} |"
+                          for c, n, m, t, r, tt, s in engine_rows) + "\n"
+    print(body)
+    if not a.no_write:
+        from doc_section import write_section
+
+        write_section("compile_throughput", "Decode with --enable-torch-compile vs eager (SmolLM2, CPU)",
+                      " ".join(["python benchmarks/compile_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+                      body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
