@@ -1,6 +1,8 @@
 """Quantized linears on CPU (``--quantization``), made once after the weights load.
 
-Two schemes, both on fbgemm kernels that ship in torch core (``torch.ops.quantized``):
+Weight-only modes ``int8wo`` and ``int4wo-<32|64|128|256>`` (SGLang's ``--torchao-config``
+names, aten kernels) live in :mod:`fleetserve.layers.weight_only`; this module resolves
+the flag and swaps every target layer's gemm. The two fbgemm schemes (``torch.ops.quantized``):
 
 * ``int8`` (alias ``w8a8_int8``, SGLang's name): W8A8 with dynamic activations.
   Each weight is quantized once to int8, symmetric, one scale per output row
@@ -220,6 +222,10 @@ def apply_quantization(model: nn.Module, value: str | None, device: str | torch.
         ValueError: bad value, or int8 asked for where it cannot run (names ``--quantization``).
     """
     mode = resolve_quantization(value, device)
+    if value == "auto":
+        logger.info("--quantization auto -> %s on %s (CPU capability %s): fp16_weight was the fastest mode "
+                    "that kept float32's quality in docs/benchmarks.md (measured on AVX2 only; there the "
+                    "weight-only int kernels were slower than float32)", mode, device, torch.backends.cpu.get_cpu_capability())
     if mode == "none":
         if value == "auto":
             logger.info("--quantization auto: float32 linears (no fbgemm int8 kernels on %s)", device)
