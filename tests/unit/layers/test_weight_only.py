@@ -41,15 +41,16 @@ def test_int8wo_within_half_step(k, n, rows):
 
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("group", [32, 64])
-def test_int4wo_within_half_step(k, n, group):
+@pytest.mark.parametrize("rows", [5, 20])  # the aten int4 kernel, and the dequantized path (>= INT4_DEQUANT_ROWS)
+def test_int4wo_within_half_step(k, n, group, rows):
     g = torch.Generator().manual_seed(k + n + group)
     w = torch.randn(n, k, generator=g) / k ** 0.5
-    x = torch.randn(5, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
     gemm = Int4WeightOnlyGemm(w, group)
     wg = w.reshape(n, k // group, group)
     step = (wg.amax(-1) - wg.amin(-1)) / 15
     ref, y = x @ w.T, gemm(x)
-    assert y.shape == (5, n)
+    assert y.shape == (rows, n)
     assert ((y - ref).abs() <= step_bound(x, step, group) * 1.0001 + 1e-5).all()
     assert ((gemm.dequantized() - w).abs() <= step.repeat_interleave(group, 1) / 2 * 1.0001 + 1e-7).all()
     assert ((y - x @ gemm.dequantized().T).abs() <= 1e-4 * ref.abs().max()).all()  # aten kernel = our dequant
