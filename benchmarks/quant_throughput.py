@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--requests-per-level", type=int, default=0, help="default: max(4, 2 x concurrency)")
+    ap.add_argument("--requests-per-level", type=int, default=0, help="default: max(4, 2 x concurrency); -1: one wave (= concurrency)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         closed_loop(sched, [tok.encode(p) for p in prompts_for(2)], 2, 4, "warm")
     rows = []
     for c in [int(x) for x in a.concurrency.split(",")]:
-        n = a.requests_per_level or max(4, 2 * c)
+        n = c if a.requests_per_level < 0 else (a.requests_per_level or max(4, 2 * c))
         ids = [tok.encode(t) for t in prompts_for(n)]
         res = {}
         for mode in modes:
