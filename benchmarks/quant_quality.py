@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         sched.flush_cache()
         lps, tops = teacher_forced(sched, text_ids, mode)
         res[mode] = (outs, lps, tops)
-        print(f"{mode}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+        pa, oa, fd = agreement(res["none"][0], outs)
+        nll, ref_nll = -sum(lps) / len(lps), -sum(res["none"][1]) / len(res["none"][1])
+        print(f"{mode}: done in {time.perf_counter() - t0:.0f} s: prefix {pa:.1%} overall {oa:.1%} "
+              f"first div {fd:.0f} NLL {nll:.4f} ({nll / ref_nll - 1:+.2%})", flush=True)
     ref_outs, ref_lps, ref_tops = res["none"]
     ref_nll = -sum(ref_lps) / len(ref_lps)
     rows = []
