@@ -1,8 +1,9 @@
 """Decode throughput of the built-in SmolLM2 with each ``--quantization`` mode, in one run.
 
-For every mode (``none`` = float32, ``int8``, ``fp16_weight``) one in-process
-engine (the real scheduler + model runner, as ``benchmarks/engine_throughput.py``)
-runs a closed loop of greedy requests at each concurrency (``c`` requests in
+For every mode (``none`` = float32, ``int8``, ``fp16_weight``, ``int8wo``,
+``int4wo-32``) the in-process engine (the real scheduler + model runner, as
+``benchmarks/engine_throughput.py``; one model, its linears switched between modes by
+``quant_modes.py``) runs a closed loop of greedy requests at each concurrency (``c`` requests in
 flight, ``--max-new-tokens`` each, ``ignore_eos``); the modes take turns at each
 level so machine noise hits them alike. Reported: output tokens/s, mean TTFT,
 and the share of generated tokens equal to float32's at the same position
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_throughput import prompts_for  # noqa: E402
 
-MODES = ("none", "int8", "fp16_weight")
+MODES = ("none", "int8", "fp16_weight", "int8wo", "int4wo-32")
 
 
 def closed_loop(sched, prompt_ids: list[list[int]], conc: int, max_new: int, tag: str):
@@ -63,39 +64,38 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--concurrency", default="1,8")
-    ap.add_argument("--requests-per-level", type=int, default=0, help="default: max(4, 2 x concurrency)")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--requests-per-level", type=int, default=0, help="default: max(4, 2 x concurrency); -1: one wave (= concurrency)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
     if a.quick:
         a.max_new_tokens, a.concurrency, a.no_write = 8, "1,4", True
     torch.set_num_threads(a.threads)
+    modes = ["none"] + [m for m in a.modes.split(",") if m != "none"]
 
-    from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
-    from fleetserve.engine.args import ServerArgs
-    from fleetserve.engine.rank_builder import build_rank
     from fleetserve.layers.quantization import cpu_flags
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer
+    from quant_modes import build
 
-    path = default_model_path()
-    tok = load_tokenizer(path)
-    scheds = {}
-    for mode in MODES:
-        args = ServerArgs(model_path=path, dtype="float32", max_total_tokens=16384, random_seed=0, quantization=mode)
-        scheds[mode] = build_rank(args, SINGLE_RANK_STATE).scheduler
-        closed_loop(scheds[mode], [tok.encode(p) for p in prompts_for(2)], 2, 4, "warm")
+    tok = load_tokenizer(default_model_path())
+    sched, switch = build(modes)
+    for mode in modes:
+        switch.use(mode)
+        closed_loop(sched, [tok.encode(p) for p in prompts_for(2)], 2, 4, "warm")
     rows = []
     for c in [int(x) for x in a.concurrency.split(",")]:
-        n = a.requests_per_level or max(4, 2 * c)
+        n = c if a.requests_per_level < 0 else (a.requests_per_level or max(4, 2 * c))
         ids = [tok.encode(t) for t in prompts_for(n)]
         res = {}
-        for mode in MODES:
-            scheds[mode].flush_cache()
-            res[mode] = closed_loop(scheds[mode], ids, c, a.max_new_tokens, mode)
+        for mode in modes:
+            switch.use(mode)
+            sched.flush_cache()
+            res[mode] = closed_loop(sched, ids, c, a.max_new_tokens, mode)
         ref = res["none"][2]
-        for mode in MODES:
+        for mode in modes:
             tps, ttft, outs = res[mode]
             same = sum(x == y for i in ref for x, y in zip(ref[i], outs[i]))
             total = sum(len(v) for v in ref.values())

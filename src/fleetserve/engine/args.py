@@ -48,7 +48,9 @@ class ServerArgs:
             ``bfloat16``, ``float16`` or ``float32``.
         quantization: ``--quantization`` (SGLang's / vLLM's flag name): ``none`` (default,
             exact float linears), ``int8`` (alias ``w8a8_int8``, SGLang's name): fbgemm dynamic
-            W8A8 linears on CPU (lossy), ``fp16_weight``: fp16 weights, float32 math (fbgemm), or
+            W8A8 linears on CPU (lossy), ``fp16_weight``: fp16 weights, float32 math (fbgemm),
+            ``int8wo`` / ``int4wo-<32|64|128|256>``: int8 / int4 weight-only (SGLang's
+            ``--torchao-config`` names; :mod:`fleetserve.layers.weight_only`), or
             ``auto`` (fp16_weight where fbgemm runs, else none); see
             :mod:`fleetserve.layers.quantization`. CPU modes on a non-CPU device are refused.
         torch_num_threads: ``--torch-num-threads``: torch intra-op threads of each rank;
@@ -258,7 +260,8 @@ class ServerArgs:
         g.add_argument("--device", default=default("device"), help="cpu or cuda")
         g.add_argument("--quantization", default=default("quantization"),
                        help=f"one of {', '.join(QUANTIZATION_CHOICES)}: int8 (= w8a8_int8) fbgemm dynamic W8A8 "
-                            "linears on CPU (lossy); fp16_weight: fp16 weights, float32 math; "
+                            "linears on CPU (lossy); fp16_weight: fp16 weights, float32 math; int8wo / "
+                            "int4wo-<32|64|128|256>: int8 / int4 weight-only (SGLang's --torchao-config names); "
                             "auto: fp16_weight where fbgemm runs (docs/quantization.md)")
         g.add_argument("--torch-num-threads", type=int, default=default("torch_num_threads"),
                        help="torch threads per rank (default: the node's cores shared among its ranks)")

@@ -1,6 +1,8 @@
 """Quantized linears on CPU (``--quantization``), made once after the weights load.
 
-Two schemes, both on fbgemm kernels that ship in torch core (``torch.ops.quantized``):
+Weight-only modes ``int8wo`` and ``int4wo-<32|64|128|256>`` (SGLang's ``--torchao-config``
+names, aten kernels) live in :mod:`fleetserve.layers.weight_only`; this module resolves
+the flag and swaps every target layer's gemm. The two fbgemm schemes (``torch.ops.quantized``):
 
 * ``int8`` (alias ``w8a8_int8``, SGLang's name): W8A8 with dynamic activations.
   Each weight is quantized once to int8, symmetric, one scale per output row
@@ -45,14 +47,21 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from fleetserve.layers.weight_only import INT4_GROUP_SIZES, Int4WeightOnlyGemm, Int8WeightOnlyGemm, int8_row_absmax
+
 logger = logging.getLogger(__name__)
 
 #: Values of ``--quantization``. ``w8a8_int8`` is SGLang's name for the same
 #: W8A8 int8 scheme and is accepted as an alias of ``int8``. ``fp16_weight`` is
 #: this project's own (neither peer has it): weights stored in float16, math in float32.
-QUANTIZATION_CHOICES = ("none", "int8", "w8a8_int8", "fp16_weight", "auto")
+#: ``int8wo`` / ``int4wo-<g>``: weight-only int8 / int4 (SGLang's ``--torchao-config``
+#: spellings; :mod:`fleetserve.layers.weight_only`).
+WEIGHT_ONLY_CHOICES = ("int8wo",) + tuple(f"int4wo-{g}" for g in INT4_GROUP_SIZES)
+QUANTIZATION_CHOICES = ("none", "int8", "w8a8_int8", "fp16_weight") + WEIGHT_ONLY_CHOICES + ("auto",)
 #: Modes that need fbgemm (x86 CPU).
-CPU_MODES = ("int8", "w8a8_int8", "fp16_weight")
+FBGEMM_MODES = ("int8", "w8a8_int8", "fp16_weight")
+#: Modes with CPU-only kernels.
+CPU_MODES = FBGEMM_MODES + WEIGHT_ONLY_CHOICES
 
 
 def check_quantization(value: str | None, device: str = "cpu") -> None:
@@ -62,7 +71,7 @@ def check_quantization(value: str | None, device: str = "cpu") -> None:
     if value not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of {QUANTIZATION_CHOICES}, got {value!r}")
     if value in CPU_MODES and not str(device).startswith("cpu"):
-        raise ValueError(f"--quantization {value} runs on CPU only (fbgemm kernels); "
+        raise ValueError(f"--quantization {value} runs on CPU only (CPU kernels); "
                          f"use --quantization none or auto on {device}")
 
 
@@ -92,7 +101,7 @@ def fbgemm_available() -> bool:
 
 
 def resolve_quantization(value: str | None, device: str | torch.device = "cpu") -> str:
-    """``"int8"``, ``"fp16_weight"`` or ``"none"`` for a ``--quantization`` value on ``device``.
+    """The mode (``"int8"``, ``"fp16_weight"``, ``"int8wo"``, ``"int4wo-<g>"`` or ``"none"``) for ``value`` on ``device``.
 
     ``auto``: ``fp16_weight`` on a CPU where fbgemm runs (AVX2 or AVX-512), else
     ``none`` (CUDA, other CPUs). Not int8: on SmolLM2-135M, int8 W8A8 greedy
@@ -106,6 +115,8 @@ def resolve_quantization(value: str | None, device: str | torch.device = "cpu") 
         return "none"
     if value == "auto":
         return "fp16_weight" if dev.type == "cpu" and fbgemm_available() else "none"
+    if value in WEIGHT_ONLY_CHOICES:
+        return value
     if not fbgemm_available():
         raise ValueError(f"--quantization {value}: this CPU/torch build has no fbgemm kernels "
                          f"(capability {torch.backends.cpu.get_cpu_capability()}); use --quantization none")
@@ -211,11 +222,17 @@ def apply_quantization(model: nn.Module, value: str | None, device: str | torch.
         ValueError: bad value, or int8 asked for where it cannot run (names ``--quantization``).
     """
     mode = resolve_quantization(value, device)
+    if value == "auto":
+        logger.info("--quantization auto -> %s on %s (CPU capability %s): fp16_weight was the fastest mode "
+                    "that kept float32's quality in docs/benchmarks.md (measured on AVX2 only; there the "
+                    "weight-only int kernels were slower than float32)", mode, device, torch.backends.cpu.get_cpu_capability())
     if mode == "none":
         if value == "auto":
             logger.info("--quantization auto: float32 linears (no fbgemm int8 kernels on %s)", device)
         return "none"
     layers = _targets(model)
+    if mode in WEIGHT_ONLY_CHOICES:
+        return _apply_weight_only(layers, value, mode)
     if mode == "fp16_weight":
         for m in layers:
             m._gemm = Fp16WeightGemm(m.weight)
@@ -229,3 +246,27 @@ def apply_quantization(model: nn.Module, value: str | None, device: str | torch.
                 "%d-bit activations: VNNI %s; CPU capability %s)", value, len(layers),
                 7 if reduce_range else 8, "no" if reduce_range else "yes", torch.backends.cpu.get_cpu_capability())
     return "int8"
+
+
+def _apply_weight_only(layers: list[nn.Module], value: str | None, mode: str) -> str:
+    from fleetserve.layers.linear import ParallelLMHead, RowParallelLinear
+
+    n = 0
+    if mode == "int8wo":
+        for m in layers:  # same order on every rank, so the MAX all-reduces pair up
+            amax = None
+            if isinstance(m, RowParallelLinear) and m.tp.size > 1:
+                amax = int8_row_absmax(m.weight, m.tp.group, m.tp.size)  # the whole row's scale on every shard
+            m._gemm = Int8WeightOnlyGemm(m.weight, amax)
+            n += 1
+    else:
+        group = int(mode.split("-")[1])
+        for m in layers:
+            if isinstance(m, ParallelLMHead):
+                continue  # stays float32 (the shipped GGUF's tied table is Q8_0: 4 bits would lose it)
+            m._gemm = Int4WeightOnlyGemm(m.weight, group)
+            n += 1
+    logger.info("--quantization %s: %d linears weight-only %s (float32 activations; LM head %s)", value, n,
+                "int8, per-row scales" if mode == "int8wo" else f"int4, groups of {mode.split('-')[1]}",
+                "int8" if mode == "int8wo" else "float32")
+    return mode
