@@ -116,3 +116,13 @@ def procs():
         yield ps
     finally:
         ps.close()
+
+
+@pytest.fixture(scope="module")
+def module_procs():
+    """As :func:`procs`, for processes a whole test module shares (e.g. real engines, slow to start)."""
+    ps = Procs()
+    try:
+        yield ps
+    finally:
+        ps.close()

@@ -11,6 +11,8 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from parallel_jobs import hf_greedy  # noqa: E402
@@ -19,6 +21,12 @@ from fleetserve.engine.rank_supervisor import free_port  # noqa: E402
 
 PROMPTS = [[256, 72, 101, 108, 108], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 N_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_deepseek_v3_dir):
+    """transformers' greedy tokens (and logits rows) for ``PROMPTS``: once for the module's servers."""
+    return hf_greedy(tiny_deepseek_v3_dir, PROMPTS, N_NEW)
 
 
 def _http(url, body=None, timeout=30):
@@ -93,8 +101,7 @@ def _generate(port, ids, **sp):
             time.sleep(0.05)
 
 
-def test_dp_attention_ep_server_spreads_requests_and_dies_cleanly(tiny_deepseek_v3_dir, tmp_path):
-    ref = hf_greedy(tiny_deepseek_v3_dir, PROMPTS, N_NEW)
+def test_dp_attention_ep_server_spreads_requests_and_dies_cleanly(tiny_deepseek_v3_dir, ref, tmp_path):
     log_path = str(tmp_path / "serve.log")
     proc, port = _start(tiny_deepseek_v3_dir, log_path, "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
                         "--ep-size", "2", "--moe-a2a-backend", "all_to_all")
@@ -116,8 +123,7 @@ def test_dp_attention_ep_server_spreads_requests_and_dies_cleanly(tiny_deepseek_
             proc.wait(5)
 
 
-def test_tp2_server_keeps_ranks_in_step(tiny_deepseek_v3_dir, tmp_path):
-    ref = hf_greedy(tiny_deepseek_v3_dir, PROMPTS, N_NEW)
+def test_tp2_server_keeps_ranks_in_step(tiny_deepseek_v3_dir, ref, tmp_path):
     log_path = str(tmp_path / "serve.log")
     proc, port = _start(tiny_deepseek_v3_dir, log_path, "--tp-size", "2")
     try:
@@ -144,10 +150,9 @@ def test_tp2_server_keeps_ranks_in_step(tiny_deepseek_v3_dir, tmp_path):
             proc.wait(5)
 
 
-def test_two_nodes_on_one_machine(tiny_deepseek_v3_dir, tmp_path):
+def test_two_nodes_on_one_machine(tiny_deepseek_v3_dir, ref, tmp_path):
     """--nnodes 2: node 1 runs its rank only and reaches node 0's process group and relay over
     TCP; when node 1 goes away, node 0 fails fast too."""
-    ref = hf_greedy(tiny_deepseek_v3_dir, PROMPTS, N_NEW)
     addr = f"127.0.0.1:{_free_block(4)}"  # rendezvous + the relay's 3 ports after it
     flags = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2", "--nnodes", "2",
              "--dist-init-addr", addr]
