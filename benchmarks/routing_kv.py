@@ -371,7 +371,7 @@ def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
         f"questions, synthetic {a.output_len}-token answers in the history); {a.output_len} output tokens; "
         "Poisson arrivals, seed 0, the same requests for every row of a table. cache_aware rows (ours and "
         "sglang-router's) use sgl-router's default thresholds (cache 0.3, balance abs 64 / rel 1.5); kv_aware "
-        "its defaults (both weights 1, speculative TTL 2 s, `/v1/loads` every 1 s). "
+        "its defaults (`--kv-prefill-weight 1`, `--kv-load-weight 0.1`, speculative TTL 2 s, `/v1/loads` every 1 s). "
         "**hit rate**: cached / prompt tokens as the workers report them, over all requests (direct ones too). "
         "**bound**: the hit rate one infinite radix cache (page 16) would have had on the same requests in "
         "the order they were sent (each prompt hits the longest run of whole pages of `prompt[:-1]` that an "

@@ -35,14 +35,15 @@ def test_fresh_engine_load_moves_a_request_off_a_busy_worker_and_stale_does_not(
     pol.index.apply((A, 0), BlockStored(list(range(8)), None, P, 4))
     el = pol.engine_loads = EngineLoads(1.0)
     now = time.monotonic()
-    # A holds 28 of the prompt's tokens (cost 33 - 28 = 5), B none (33); A's engine is busy with 100 foreign tokens
-    el.put(A, {0: 100}, now)
+    # A holds 28 of the prompt's tokens (cost 33 - 28 = 5), B none (33); A's engine is busy with 1000
+    # foreign tokens: 5 + 0.1 x 1000 = 105 at the default load weight
+    el.put(A, {0: 1000}, now)
     el.put(B, {0: 0}, now)
     key = RouteKey("", P + [1], 0)
     assert pol.select([Worker(A), Worker(B)], key).url == B
     pol.release(key)
     # the same snapshot, stale: the router-side count (0) decides, and the cache wins
-    el.put(A, {0: 100}, now - STALE_INTERVALS * 1.0 - 0.1)
+    el.put(A, {0: 1000}, now - STALE_INTERVALS * 1.0 - 0.1)
     key = RouteKey("", P + [1], 0)
     assert pol.select([Worker(A), Worker(B)], key).url == A
     assert el.tokens(A, None) is None and el.tokens(B, None) == 0
@@ -100,7 +101,7 @@ def test_the_worker_holding_the_prefix_wins_with_an_idle_fresh_snapshot():
 
 def test_a_snapshot_counting_this_routers_ended_request_does_not_push_the_next_one_away():
     """The bug seen with a real engine: a snapshot taken while a request ran stayed in use after it ended."""
-    pol = kv({A: ["exact"], B: ["exact"]})
+    pol = kv({A: ["exact"], B: ["exact"]}, load_weight=1.0)  # one in-flight token costs one uncached token
     pol.index.apply((A, 0), BlockStored(list(range(8)), None, P, 4))
     el = pol.engine_loads = EngineLoads(1.0)
     first = RouteKey("", P + [1], 8)

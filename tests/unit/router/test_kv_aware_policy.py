@@ -34,7 +34,7 @@ def test_cached_prefix_wins_and_the_decision_is_recorded():
 
 
 def test_load_in_tokens_outweighs_a_short_match():
-    pol = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0)
+    pol = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0, load_weight=1.0)
     store(pol, B, P[:8])  # 8 cached tokens on B
     pol.load_tokens[(B, None)] = 20  # but 20 tokens in flight there: B costs 34 - 8 + 20 = 46 > A's 34
     assert pol.select([Worker(A), Worker(B)], RouteKey("", P + [1, 2], 0)).url == A

@@ -28,7 +28,7 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--kv-prefill-weight", type=float, default=d.kv_prefill_weight,
                    help="kv_aware: cost per uncached prompt token on a target")
     g.add_argument("--kv-load-weight", type=float, default=d.kv_load_weight,
-                   help="kv_aware: cost per in-flight (prompt + decode) token on a target")
+                   help="kv_aware: cost per in-flight (prompt + decode) token on a target (default 0.1; docs/router.md)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")

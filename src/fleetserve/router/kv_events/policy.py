@@ -109,7 +109,7 @@ class KvAwarePolicy:
 
     name = "kv_aware"
 
-    def __init__(self, prefill_weight: float = 1.0, load_weight: float = 1.0, speculative_ttl_s: float = 2.0,
+    def __init__(self, prefill_weight: float = 1.0, load_weight: float = 0.1, speculative_ttl_s: float = 2.0,
                  max_blocks: int = 1 << 20, dp_aware: bool = False, tokenizer: RouterTokenizer | None = None,
                  tokenize_threads: int = 2, route_header: bool = True) -> None:
         self.route_header = route_header
