@@ -5,8 +5,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
 from fleetserve import launch
 from fleetserve.engine.args import ServerArgs
 from fleetserve.launch import memory
