@@ -7,6 +7,7 @@ must be exactly the script, in one stream with one id, one finish reason and one
 """
 
 import asyncio
+import contextlib
 import json
 import re
 
@@ -99,6 +100,24 @@ def read_answer(kind: str, raw: bytes) -> dict:
     return out
 
 
+
+@contextlib.asynccontextmanager
+async def fleet(InProcessRouter, names: str, **cfg):
+    """Script workers named by ``names`` and a round-robin router in front of them, its next turn
+    the first worker; yields ``(session, router, workers)`` and closes the workers after."""
+    ws = [await ScriptWorker(n, SCRIPT).start() for n in names]
+    try:
+        async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([w.url for w in ws], **cfg)) as r:
+            r.router.policy._next = 0
+            yield s, r, ws
+    finally:
+        for w in ws:
+            await w.close()
+
+
+def run(main) -> None:
+    asyncio.run(asyncio.wait_for(main(), 30))
+
 async def post(s, url, path, body):
     async with s.post(url + path, json={**body, "stream": True}) as resp:
         return resp.status, await resp.read()
@@ -111,52 +130,45 @@ def test_stream_survives_a_dying_worker(kind, how, InProcessRouter):
     path, body = KINDS[kind]
 
     async def main():
-        a = await ScriptWorker("a", SCRIPT).start()
-        b = await ScriptWorker("b", SCRIPT).start()
-        try:
-            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
-                r.router.policy._next = 0  # a first
-                a.die(after=die_after_events(kind, DIE_AFTER_TOKENS), how=how)
-                status, raw = await post(s, r.url, path, body)
-                assert status == 200, raw
-                got = read_answer(kind, raw)
-                assert got["errors"] == [] and got["text"] == FULL, (got, raw.decode())
-                assert got["done"] == 1 and got["last_is_done"], raw.decode()
-                assert got["finish"] == ["stop"], got
-                assert got["ids"] == {"a-1"}, got  # every chunk carries the first worker's id
-                if kind.startswith("generate"):
-                    assert got["output_ids"] == [ID0 + j for j in range(len(SCRIPT))]
-                    assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT))]
-                else:
-                    assert got["created"] == {1700000001}, got
-                    assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT), PROMPT_TOKENS + len(SCRIPT))], got
-                if kind == "chat":
-                    assert got["roles"] == 1
-                # what the second worker was asked
-                assert [p for p, _ in b.bodies] == [path]
-                cont = b.bodies[0][1]
-                prefix = "".join(SCRIPT[:DIE_AFTER_TOKENS])
-                if kind == "generate_ids":
-                    assert cont["input_ids"] == PROMPT_IDS + [ID0 + j for j in range(DIE_AFTER_TOKENS)]
-                elif kind == "generate_text":
-                    assert cont["text"] == PROMPT + prefix
-                elif kind == "completions":
-                    assert cont["prompt"] == PROMPT + prefix
-                else:
-                    assert cont["messages"] == body["messages"] + [{"role": "assistant", "content": prefix}]
-                    assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
-                if kind.startswith("generate"):
-                    assert cont["sampling_params"] == {"max_new_tokens": 50 - DIE_AFTER_TOKENS, "temperature": 0.7}
-                else:
-                    assert cont["max_tokens"] == 50 - DIE_AFTER_TOKENS and cont["temperature"] == 0.7
-                assert cont["stream"] is True
-                assert r.router.stats.migrations == 1
-                await settled(s, r)
-        finally:
-            await a.close()
-            await b.close()
+        async with fleet(InProcessRouter, "ab") as (s, r, (a, b)):  # a first
+            a.die(after=die_after_events(kind, DIE_AFTER_TOKENS), how=how)
+            status, raw = await post(s, r.url, path, body)
+            assert status == 200, raw
+            got = read_answer(kind, raw)
+            assert got["errors"] == [] and got["text"] == FULL, (got, raw.decode())
+            assert got["done"] == 1 and got["last_is_done"], raw.decode()
+            assert got["finish"] == ["stop"], got
+            assert got["ids"] == {"a-1"}, got  # every chunk carries the first worker's id
+            if kind.startswith("generate"):
+                assert got["output_ids"] == [ID0 + j for j in range(len(SCRIPT))]
+                assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT))]
+            else:
+                assert got["created"] == {1700000001}, got
+                assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT), PROMPT_TOKENS + len(SCRIPT))], got
+            if kind == "chat":
+                assert got["roles"] == 1
+            # what the second worker was asked
+            assert [p for p, _ in b.bodies] == [path]
+            cont = b.bodies[0][1]
+            prefix = "".join(SCRIPT[:DIE_AFTER_TOKENS])
+            if kind == "generate_ids":
+                assert cont["input_ids"] == PROMPT_IDS + [ID0 + j for j in range(DIE_AFTER_TOKENS)]
+            elif kind == "generate_text":
+                assert cont["text"] == PROMPT + prefix
+            elif kind == "completions":
+                assert cont["prompt"] == PROMPT + prefix
+            else:
+                assert cont["messages"] == body["messages"] + [{"role": "assistant", "content": prefix}]
+                assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
+            if kind.startswith("generate"):
+                assert cont["sampling_params"] == {"max_new_tokens": 50 - DIE_AFTER_TOKENS, "temperature": 0.7}
+            else:
+                assert cont["max_tokens"] == 50 - DIE_AFTER_TOKENS and cont["temperature"] == 0.7
+            assert cont["stream"] is True
+            assert r.router.stats.migrations == 1
+            await settled(s, r)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
 
 
 @pytest.mark.timeout(60)
@@ -183,7 +195,7 @@ def test_max_migrations_zero_gives_the_error_event(kind, InProcessRouter):
             await a.close()
             await b.close()
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
 
 
 @pytest.mark.timeout(60)
@@ -192,26 +204,19 @@ def test_both_workers_dying_ends_with_an_error_event(kind, InProcessRouter):
     path, body = KINDS[kind]
 
     async def main():
-        a = await ScriptWorker("a", SCRIPT).start()
-        b = await ScriptWorker("b", SCRIPT).start()
-        try:
-            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
-                r.router.policy._next = 0
-                a.die(after=die_after_events(kind, DIE_AFTER_TOKENS))
-                b.die(after=die_after_events(kind, 2))  # two more tokens, then b dies too
-                status, raw = await post(s, r.url, path, body)
-                got = read_answer(kind, raw)
-                assert status == 200 and got["done"] == 0, raw.decode()
-                # no text lost or repeated up to the second failure
-                assert got["text"] == "".join(SCRIPT[:DIE_AFTER_TOKENS + 2]), got
-                assert len(got["errors"]) == 1 and got["errors"][0]["code"] == "upstream_error"
-                assert len(got["ids"]) == 1 and r.router.stats.migrations == 1
-                await settled(s, r)
-        finally:
-            await a.close()
-            await b.close()
+        async with fleet(InProcessRouter, "ab") as (s, r, (a, b)):
+            a.die(after=die_after_events(kind, DIE_AFTER_TOKENS))
+            b.die(after=die_after_events(kind, 2))  # two more tokens, then b dies too
+            status, raw = await post(s, r.url, path, body)
+            got = read_answer(kind, raw)
+            assert status == 200 and got["done"] == 0, raw.decode()
+            # no text lost or repeated up to the second failure
+            assert got["text"] == "".join(SCRIPT[:DIE_AFTER_TOKENS + 2]), got
+            assert len(got["errors"]) == 1 and got["errors"][0]["code"] == "upstream_error"
+            assert len(got["ids"]) == 1 and r.router.stats.migrations == 1
+            await settled(s, r)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
 
 
 @pytest.mark.timeout(60)
@@ -219,28 +224,21 @@ def test_two_migrations_over_three_workers(InProcessRouter):
     path, body = KINDS["chat"]
 
     async def main():
-        ws = [await ScriptWorker(n, SCRIPT).start() for n in "abc"]
-        try:
-            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([w.url for w in ws],
-                                                                                  max_migrations=2)) as r:
-                r.router.policy._next = 0
-                # round robin on a retry: a's continuation goes to c (turn 1 of [b, c]), c's to b
-                ws[0].die(after=die_after_events("chat", 3))
-                ws[2].die(after=die_after_events("chat", 4))
-                status, raw = await post(s, r.url, path, body)
-                got = read_answer("chat", raw)
-                assert got["text"] == FULL and got["done"] == 1 and got["errors"] == [], raw.decode()
-                assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT), PROMPT_TOKENS + len(SCRIPT))]
-                assert ws[2].bodies[0][1]["messages"][-1]["content"] == "".join(SCRIPT[:3])
-                assert ws[1].bodies[0][1]["messages"][-1]["content"] == "".join(SCRIPT[:7])
-                assert ws[1].bodies[0][1]["max_tokens"] == 50 - 7
-                assert r.router.stats.migrations == 2 and len(got["ids"]) == 1
-                await settled(s, r)
-        finally:
-            for w in ws:
-                await w.close()
+        async with fleet(InProcessRouter, "abc", max_migrations=2) as (s, r, ws):
+            # round robin on a retry: a's continuation goes to c (turn 1 of [b, c]), c's to b
+            ws[0].die(after=die_after_events("chat", 3))
+            ws[2].die(after=die_after_events("chat", 4))
+            status, raw = await post(s, r.url, path, body)
+            got = read_answer("chat", raw)
+            assert got["text"] == FULL and got["done"] == 1 and got["errors"] == [], raw.decode()
+            assert got["usage"] == [(PROMPT_TOKENS, len(SCRIPT), PROMPT_TOKENS + len(SCRIPT))]
+            assert ws[2].bodies[0][1]["messages"][-1]["content"] == "".join(SCRIPT[:3])
+            assert ws[1].bodies[0][1]["messages"][-1]["content"] == "".join(SCRIPT[:7])
+            assert ws[1].bodies[0][1]["max_tokens"] == 50 - 7
+            assert r.router.stats.migrations == 2 and len(got["ids"]) == 1
+            await settled(s, r)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
 
 
 @pytest.mark.timeout(60)
@@ -255,30 +253,23 @@ def test_failure_after_the_last_token_is_ended_by_the_router(kind, InProcessRout
         body["max_tokens"] = 5
 
     async def main():
-        a = await ScriptWorker("a", SCRIPT).start()
-        b = await ScriptWorker("b", SCRIPT).start()
-        try:
-            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
-                r.router.policy._next = 0
-                # generate / completions carry the finish in the 5th token's event: die before it
-                a.die(after=die_after_events(kind, 5 if kind == "chat" else 4))
-                status, raw = await post(s, r.url, path, body)
-                got = read_answer(kind, raw)
-                if kind == "chat":  # all 5 tokens arrived; the router ends the stream itself
-                    assert got["text"] == "".join(SCRIPT[:5]) and got["finish"] == ["length"], got
-                    assert b.bodies == [] and got["done"] == 1
-                    assert got["usage"] == [], got  # prompt tokens never reported: no made-up usage
-                else:  # one token left: b is asked for exactly one
-                    assert got["text"] == "".join(SCRIPT[:5]) and got["finish"] == ["length"], got
-                    cont = b.bodies[0][1]
-                    limit = cont["sampling_params"]["max_new_tokens"] if kind.startswith("gen") else cont["max_tokens"]
-                    assert limit == 1 and got["done"] == 1
-                await settled(s, r)
-        finally:
-            await a.close()
-            await b.close()
+        async with fleet(InProcessRouter, "ab") as (s, r, (a, b)):
+            # generate / completions carry the finish in the 5th token's event: die before it
+            a.die(after=die_after_events(kind, 5 if kind == "chat" else 4))
+            status, raw = await post(s, r.url, path, body)
+            got = read_answer(kind, raw)
+            if kind == "chat":  # all 5 tokens arrived; the router ends the stream itself
+                assert got["text"] == "".join(SCRIPT[:5]) and got["finish"] == ["length"], got
+                assert b.bodies == [] and got["done"] == 1
+                assert got["usage"] == [], got  # prompt tokens never reported: no made-up usage
+            else:  # one token left: b is asked for exactly one
+                assert got["text"] == "".join(SCRIPT[:5]) and got["finish"] == ["length"], got
+                cont = b.bodies[0][1]
+                limit = cont["sampling_params"]["max_new_tokens"] if kind.startswith("gen") else cont["max_tokens"]
+                assert limit == 1 and got["done"] == 1
+            await settled(s, r)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
 
 
 @pytest.mark.timeout(60)
@@ -306,7 +297,7 @@ def test_removed_worker_hands_its_stream_over(InProcessRouter):
             await a.close()
             await b.close()
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
 
 
 @pytest.mark.timeout(60)
@@ -315,21 +306,14 @@ def test_batch_requests_are_not_migrated(InProcessRouter):
     path, body = KINDS["completions"]
 
     async def main():
-        a = await ScriptWorker("a", SCRIPT).start()
-        b = await ScriptWorker("b", SCRIPT).start()
-        try:
-            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
-                r.router.policy._next = 0
-                a.die(after=2)
-                status, raw = await post(s, r.url, path, {**body, "n": 2})
-                got = read_answer("completions", raw)
-                assert got["done"] == 0 and len(got["errors"]) == 1 and b.bodies == []
-                await settled(s, r)
-        finally:
-            await a.close()
-            await b.close()
+        async with fleet(InProcessRouter, "ab") as (s, r, (a, b)):
+            a.die(after=2)
+            status, raw = await post(s, r.url, path, {**body, "n": 2})
+            got = read_answer("completions", raw)
+            assert got["done"] == 0 and len(got["errors"]) == 1 and b.bodies == []
+            await settled(s, r)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
 
 
 def test_max_migrations_flag(capsys):
@@ -348,23 +332,16 @@ def test_failure_after_done_needs_no_worker(InProcessRouter):
     path, body = KINDS["chat"]
 
     async def main():
-        a = await ScriptWorker("a", SCRIPT).start()
-        b = await ScriptWorker("b", SCRIPT).start()
-        try:
-            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url])) as r:
-                r.router.policy._next = 0
-                a.die(after=1000)  # [DONE], then a reset before the body's last chunk
-                status, raw = await post(s, r.url, path, body)
-                got = read_answer("chat", raw)
-                assert got["text"] == FULL and got["done"] == 1 and got["last_is_done"], raw.decode()
-                assert got["errors"] == [] and len(got["usage"]) == 1 and b.bodies == []
-                assert r.router.stats.migrations == 0
-                await settled(s, r)
-        finally:
-            await a.close()
-            await b.close()
+        async with fleet(InProcessRouter, "ab") as (s, r, (a, b)):
+            a.die(after=1000)  # [DONE], then a reset before the body's last chunk
+            status, raw = await post(s, r.url, path, body)
+            got = read_answer("chat", raw)
+            assert got["text"] == FULL and got["done"] == 1 and got["last_is_done"], raw.decode()
+            assert got["errors"] == [] and len(got["usage"]) == 1 and b.bodies == []
+            assert r.router.stats.migrations == 0
+            await settled(s, r)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
 
 
 @pytest.mark.timeout(60)
@@ -387,7 +364,7 @@ def test_a_refused_continuation_is_retried_without_counting(InProcessRouter):
             for w in ws[:2]:
                 await w.close()
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
 
 
 @pytest.mark.timeout(60)
@@ -426,4 +403,4 @@ def test_dp_aware_continuation_carries_the_rank_the_policy_chose_on_the_new_work
             await a.close()
             await b.close()
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(main)
