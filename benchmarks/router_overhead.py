@@ -58,17 +58,9 @@ def ours_template() -> str:
 
 def smollm2_tokenizer_dir() -> str:
     """The built-in model's tokenizer directory (tokenizer.json + config + chat template), converted once."""
-    from fleetserve.models.config import is_gguf
-    from fleetserve.models.registry import default_model_path
-    from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
+    from fleetserve.models.tokenizer import tokenizer_dir
 
-    path = default_model_path()
-    if is_gguf(path):
-        folder = tokenizer_cache_dir(path)
-        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-            load_tokenizer(path)
-        return folder
-    return path
+    return tokenizer_dir()
 
 
 def kv_templates(tokenizer_dir: str) -> list[str]:

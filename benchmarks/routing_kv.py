@@ -48,28 +48,12 @@ from doc_section import write_section
 from fleetserve.bench import cli as bench_cli
 from fleetserve.bench import report
 from fleetserve.bench.client import run_requests
+from fleetserve.models.tokenizer import tokenizer_dir
 
 PAGE = 16
 HTTP0, EV0 = 21000, 22000  # below the ephemeral range (32768..): no clash with client sockets
 _next_router_port = [23000]  # every run its own ports: a killed router's port may sit in TIME_WAIT
 SAME = ["--cache-threshold", "0.3", "--balance-abs-threshold", "64", "--balance-rel-threshold", "1.5"]
-
-
-def tokenizer_dir() -> str:
-    """The SmolLM2 tokenizer folder (tokenizer.json + chat template) the engine extracts from its GGUF."""
-    import os
-
-    from fleetserve.models.config import is_gguf
-    from fleetserve.models.registry import default_model_path
-    from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
-
-    path = default_model_path()
-    if is_gguf(path):
-        folder = tokenizer_cache_dir(path)
-        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-            load_tokenizer(path)
-        path = folder
-    return path
 
 
 # ------------------------------------------------------------------ the bound

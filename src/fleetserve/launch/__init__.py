@@ -220,17 +220,9 @@ def router_tokenizer_args(args: argparse.Namespace, instance_args: list[str]) ->
         return []
     path = (_flag_value(instance_args, "--tokenizer-path") or _flag_value(instance_args, "--model-path")
             or _flag_value(instance_args, "--model"))
-    from fleetserve.models.config import is_gguf
-    from fleetserve.models.registry import default_model_path
-    from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
+    from fleetserve.models.tokenizer import tokenizer_dir
 
-    path = path or default_model_path()
-    if is_gguf(path):
-        folder = tokenizer_cache_dir(path)
-        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-            load_tokenizer(path)  # converts and caches it
-        path = folder
-    return ["--tokenizer-path", path]
+    return ["--tokenizer-path", tokenizer_dir(path)]
 
 
 # The example printed once the fleet is up: greedy (temperature 0) so that the first answer

@@ -36,6 +36,20 @@ def tokenizer_cache_dir(gguf_path: str) -> str:
     return os.path.join(base, "tokenizers", key)
 
 
+
+def tokenizer_dir(model_path: str | None = None) -> str:
+    """A directory with the tokenizer of ``model_path`` (None = the built-in model) as
+    ``tokenizer.json`` + config + chat template, for readers without transformers' GGUF
+    support (the router's ``--tokenizer-path``). A GGUF's tokenizer is converted once into
+    :func:`tokenizer_cache_dir`; a model directory is returned as it is."""
+    path = model_path or default_model_path()
+    if not is_gguf(path):
+        return path
+    folder = tokenizer_cache_dir(path)
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        load_tokenizer(path)  # converts and caches it
+    return folder
+
 def save_tokenizer_cache(tokenizer: Any, cache_dir: str) -> None:
     """Save ``tokenizer`` into ``cache_dir`` atomically (write a sibling, then rename); errors only log."""
     tmp = None

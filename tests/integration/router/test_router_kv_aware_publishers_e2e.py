@@ -127,11 +127,7 @@ def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
     """A real engine (built-in model, ``--page-size 16``) beside a sim-worker: a chat prefix cached on the
     engine by a direct request sends the routed chat there, and the router's tokenization (the chat
     template) predicts exactly the engine's ``usage.prompt_tokens_details.cached_tokens``."""
-    import os
-
-    from fleetserve.models.config import is_gguf
-    from fleetserve.models.registry import default_model_path
-    from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
+    from fleetserve.models.tokenizer import tokenizer_dir
 
     # the sim-worker first: started while the engine loads its model, it can miss its 20 s on a busy machine
     (sim,) = sim_workers(procs, 1)
@@ -139,12 +135,7 @@ def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
     cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"}
     engine, _ = procs.engine("--max-total-tokens", "4096", "--page-size", str(PAGE),
                              "--kv-events-config", json.dumps(cfg))
-    path = default_model_path()
-    if is_gguf(path):
-        folder = tokenizer_cache_dir(path)
-        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-            load_tokenizer(path)
-        path = folder
+    path = tokenizer_dir()
     # the engine-loads correction stays on (default interval, 1 s)
     router, _ = procs.router([sim, engine], "--policy", "kv_aware", "--kv-speculative-ttl-secs", "0",
                              "--tokenizer-path", path)
