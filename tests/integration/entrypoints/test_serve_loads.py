@@ -10,8 +10,6 @@ routed-DP-rank checks answer 400 as SGLang's do.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetserve.engine.rank_supervisor import free_port
+from helpers.serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -34,34 +33,12 @@ ZERO = {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_total_reqs": 0, "num_
 def base(tiny_llama_dir, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve_loads") / "serve.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_llama_dir,
-                             "--dtype", "float32", "--max-total-tokens", "2048", "--max-running-requests", "2",
-                             "--port", str(port), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.3)
+    with open(log_path, "w+") as log, serve_process(
+            [sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_llama_dir,
+            "--dtype", "float32", "--max-total-tokens", "2048", "--max-running-requests", "2",
+            "--port", str(port), "--log-level", "warning"],
+            f"http://127.0.0.1:{port}", log, env=dict(os.environ, OMP_NUM_THREADS="1")) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def load(base: str) -> dict:

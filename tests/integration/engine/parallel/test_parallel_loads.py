@@ -3,8 +3,6 @@
 body, or the ``X-data-parallel-rank`` header) is served by that rank and no other."""
 
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -14,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetserve.engine.rank_supervisor import free_port
+from helpers.serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -23,35 +22,13 @@ pytestmark = pytest.mark.slow
 def base(tiny_deepseek_v3_dir, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("dp_loads") / "serve.log"
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_deepseek_v3_dir,
-                             "--dtype", "float32", "--max-total-tokens", "1024", "--port", str(port),
-                             "--dist-timeout", "60", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
-                             "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.3)
+    with open(log_path, "w+") as log, serve_process(
+            [sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_deepseek_v3_dir,
+            "--dtype", "float32", "--max-total-tokens", "1024", "--port", str(port),
+            "--dist-timeout", "60", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
+            "--log-level", "warning"],
+            f"http://127.0.0.1:{port}", log, env=dict(os.environ, OMP_NUM_THREADS="1")) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def post(url, body, headers=None, timeout=60):
