@@ -24,6 +24,7 @@ works with either router.  Differences, all documented in docs/router.md:
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field, fields
 
 from .kv_events import flags as kv_flags
@@ -191,6 +192,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def finite_float(text: str) -> float:
+    """argparse type of every float flag of the router: ``nan`` / ``inf`` are refused (they would
+    pass every ``>= 0`` check and then break a comparison or a timer)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fleetserve router`` argument parser."""
     d = RouterConfig()
@@ -306,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .compat import add_unsupported  # last: skips any flag defined above
     add_unsupported(p)
     kv_flags.add_flags(p, d)
+    for action in p._actions:  # every float flag, ours and kv_aware's
+        if action.type is float:
+            action.type = finite_float
     return p
 
 
