@@ -207,7 +207,9 @@ def _stats(http) -> dict:
     return http.get("/get_server_info").json()["stats"]
 
 
-def test_disconnect_frees_kv_within_a_second(http, model):
+def test_disconnect_frees_kv_within_a_few_decode_steps(http, model):
+    # Counted in decode steps, not seconds: on a loaded 2-core machine one step can take over a
+    # second, and what matters is that the request stops at once instead of running its 300 tokens.
     with http.stream("POST", "/v1/completions", json={"model": model, "prompt": "Count to one hundred: 1, 2,",
                                                       "max_tokens": 300, "temperature": 0, "stream": True}) as s:
         lines = s.iter_lines()  # keep a reference: dropping the iterator would close the connection
@@ -224,8 +226,10 @@ def test_disconnect_frees_kv_within_a_second(http, model):
         st = _stats(http)
         if st["num_running_reqs"] == 0 and st["kv_used_tokens"] == 0:
             break
-        assert time.monotonic() - t0 < 1.0, f"KV not freed: {st}"
+        assert time.monotonic() - t0 < 60.0, f"KV not freed: {st}"
         time.sleep(0.05)
+    more = st["generation_tokens_total"] - during["generation_tokens_total"]
+    assert more <= 16, f"{more} tokens decoded after the client left (of 300 asked)"
     metrics = http.get("/metrics").text
     assert "fleetserve:num_running_reqs" in metrics
 
