@@ -130,6 +130,12 @@ def test_prefix_blocks_are_reused_exactly_and_stay_bounded(smollm2):
     hits = fast.block_hits
     assert fast.encode(texts[-1]) == tok.encode(texts[-1]).ids
     assert fast.block_misses == misses and fast.block_hits > hits  # all of it from the cache
+    # spaces after whitespace are no cut: the block runs on to the next space after a non-space
+    for ws in "\n\t\r\x0b\x0c ":
+        head = "\r" + "0" * (BLOCK_CHARS // 2 - 2) + ws
+        for text in ((head + " ") * 5 + "0", (head + " x") * 5):
+            _same(tok, fast, text)
+            _same(tok, fast, text)
     # a text without any cut is encoded, but its one long block is not remembered
     solid = "x" * (20 * BLOCK_CHARS)
     n = len(fast.blocks)

@@ -55,7 +55,7 @@ _WS = r"\t\n\x0b\x0c\r "
 GPT2_ASCII_PATTERN = (rf"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+"""
                       rf"""|[{_WS}]+(?![^{_WS}])|[{_WS}]+""")
 
-_WS_CHARS = frozenset(_WS)
+_WS_CHARS = frozenset("\t\n\x0b\x0c\r ")  # the characters _WS spells out for the regex
 
 
 def _no_segments(text: str) -> bool:
@@ -135,6 +135,7 @@ class ByteLevelBPE:
         self.added = added
         self.added_split = (regex.compile("|".join(regex.escape(t) for t in sorted(added, key=len, reverse=True)))
                             if added else None)
+        self.added_firsts = tuple(sorted({t[0] for t in added}))  # the first characters of the added tokens
         self.pre, self.post = pre, post
         self.max_words = max_words
         self.words: dict[str, list[int]] = {}  # regex piece -> its BPE ids
@@ -171,6 +172,7 @@ class ByteLevelBPE:
         except (regex.error, re.error, ValueError):
             return None
         sample = list(PROBES) + [PROBES[0] + c + PROBES[3] for c in list(added)[:8]]
+        sample.append((PROBES[0] + PROBES[2] + PROBES[4] + PROBES[5]) * 3)  # ASCII, several blocks (step 4)
         for text in sample:
             for special in (True, False):
                 if fast.encode(text, special) != tokenizer.encode(text, add_special_tokens=special).ids:
@@ -184,8 +186,8 @@ class ByteLevelBPE:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         out = list(self.pre) if add_special_tokens else []
-        if self.added_split is None:
-            ok = self._plain(text, out)
+        if self.added_split is None or not any(map(text.__contains__, self.added_firsts)):
+            ok = self._plain(text, out)  # no added token can be in it (one memchr per first character)
         else:
             ok, at = True, 0
             for m in self.added_split.finditer(text):
