@@ -53,7 +53,6 @@ from .tokenize import RouterTokenizer, request_ids_without_tokenizer
 log = logging.getLogger("fleetserve.router")
 
 SESSION = "session"  # the branch of a request --sticky-sessions sent (route_header.py)
-_RANK0 = (0,)  # the ranks of a worker without KV-event subscriptions
 _NONE: dict = {}  # no index match (never written)
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
@@ -164,22 +163,16 @@ class KvAwarePolicy:
         tree_unit = 1 if tokens else 1 / CHARS_PER_TOKEN
         tree_off = 1 if tokens else 0
         subs = self.subs
-        index = self.index
-        dp_aware = self.dp_aware
-        targets = []  # (worker, rank or None, ranks to look at, the worker's subscriptions or None)
-        for w in workers:
-            wsubs = subs.get(w.url)
-            ranks = sorted(wsubs) if wsubs else _RANK0
-            if dp_aware:
-                targets.extend((w, r, (r,), wsubs) for r in ranks)
-            else:
-                targets.append((w, None, ranks, wsubs))
+        if self.dp_aware:  # one target per DP rank
+            targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url)]
+        else:  # one target per worker, the best of its ranks
+            targets = [(w, None, None) for w in workers]
         # the engine always computes the last prompt token (vLLM, SGLang and ours match at most
         # prompt[:-1], in whole pages), so the prefix that can be cached is prompt[:-1].  Before any
         # target's first event the index holds nothing (no block size known): no match to look up.
+        index = self.index
         if tokens and index.block_size:
-            all_targets = [(w.url, r) for w, rank, ranks, _ in targets for r in ranks]
-            matched = index.match(tokens[:-1], all_targets)
+            matched = index.match(tokens[:-1], [(w.url, r) for w in workers for r in self.ranks(w.url)])
         else:
             matched = _NONE
         cap = max(key.prompt_tokens - 1, 0)
@@ -188,21 +181,25 @@ class KvAwarePolicy:
         now = time.monotonic() if engine_loads is not None else 0.0
         load_tokens, inflight = self.load_tokens, self.inflight
         prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
-        for order, (w, rank, ranks, wsubs) in enumerate(targets):
+        for order, (w, rank, ranks) in enumerate(targets):
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
             tree_tokens = max(0, per_tenant.get(tenant, 0) - tree_off) * tree_unit
-            cached, branch = -1, FALLBACK
-            for r in ranks:
-                sub = wsubs.get(r) if wsubs else None
-                state = sub.state if sub is not None else FALLBACK
-                if state == FALLBACK:
-                    c = tree_tokens
-                else:
-                    ev = matched.get((url, r), 0)
-                    c = ev if state == EXACT else max(ev, tree_tokens)
-                if c > cached:
-                    cached, branch = c, state
+            wsubs = subs.get(url) if subs else None
+            if not wsubs:  # no KV-event stream: the approximate tree
+                cached, branch = tree_tokens, FALLBACK
+            else:
+                cached, branch = -1, FALLBACK
+                for r in (ranks or sorted(wsubs)):
+                    sub = wsubs.get(r)
+                    state = sub.state if sub is not None else FALLBACK
+                    if state == FALLBACK:
+                        c = tree_tokens
+                    else:
+                        ev = matched.get((url, r), 0)
+                        c = ev if state == EXACT else max(ev, tree_tokens)
+                    if c > cached:
+                        cached, branch = c, state
             cached = min(int(cached), cap)
             lk = (url, rank)
             load = load_tokens.get(lk, 0)
