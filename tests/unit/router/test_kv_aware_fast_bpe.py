@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from fleetserve.models.registry import default_model_path
 from fleetserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
-from fleetserve.router.kv_events.fast_bpe import ByteLevelBPE, bytes_to_unicode
+from fleetserve.router.kv_events.fast_bpe import BLOCK_CHARS, ByteLevelBPE, _no_segments, bytes_to_unicode
 
 # ASCII with every whitespace kind, the contraction letters, digits and punctuation: the segment path's edge cases
 ASCII = " " * 8 + "\t\n\r\x0b\x0c\x1c\x1f" + "abcdestvlmSTDLV'" + "0123456789" + ".,;:!?-_()[]{}<>\"/\\#@" + "XYZ"
@@ -93,6 +93,63 @@ def test_stick_like_prompts_repeat_exactly_and_caches_stay_bounded(smollm2):
     assert [fast.encode(t) for t in texts] == first  # from the caches, the same ids
     assert len(fast.words) <= 50 and len(fast.segments) <= 50 and len(fast.heads) <= 50
     assert fast.segments  # the ASCII segment path was taken
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=ASCII, min_size=BLOCK_CHARS // 2, max_size=BLOCK_CHARS),
+       st.lists(st.text(alphabet=ASCII, min_size=1, max_size=3 * BLOCK_CHARS), min_size=2, max_size=4))
+def test_prefix_blocks_give_the_library_ids_on_shared_prefixes(smollm2, head, tails):
+    """Texts longer than a block share a prefix: the later ones reuse its cached blocks, with the same ids.
+
+    The alphabet has every whitespace kind, so block cuts land next to double spaces, tabs and newlines.
+    """
+    tok, spec, _ = smollm2
+    fast = ByteLevelBPE.from_tokenizer(tok, spec)
+    shared = (head + " ") * 3
+    for tail in tails:
+        _same(tok, fast, shared + tail)
+        _same(tok, fast, shared + tail)  # the second time every block of it is cached
+    assert fast.fallbacks == 0
+
+
+def test_prefix_blocks_are_reused_exactly_and_stay_bounded(smollm2):
+    tok, spec, _ = smollm2
+    fast = ByteLevelBPE.from_tokenizer(tok, spec)
+    rng = random.Random(11)
+    words = "the of and to router cache prefix token worker 42 3.14 don't (x) [context 3]\n a\tb".split(" ")
+    preamble = " ".join(rng.choices(words, k=120))  # about 3 blocks
+    assert len(preamble) > 2 * BLOCK_CHARS
+    texts = [preamble + " " + " ".join(rng.choices(words, k=rng.randint(1, 80))) for _ in range(12)]
+    for t in texts:
+        assert fast.encode(t) == tok.encode(t).ids
+    assert fast.block_hits >= 2 * (len(texts) - 1)  # every later text found the preamble's first blocks
+    small = ByteLevelBPE.from_tokenizer(tok, spec, max_blocks=5)
+    assert [small.encode(t) for t in texts * 2] == [tok.encode(t).ids for t in texts * 2]
+    assert 0 < len(small.blocks) <= 5 and small.block_hits > 0
+    misses = fast.block_misses
+    hits = fast.block_hits
+    assert fast.encode(texts[-1]) == tok.encode(texts[-1]).ids
+    assert fast.block_misses == misses and fast.block_hits > hits  # all of it from the cache
+    # spaces after whitespace are no cut: the block runs on to the next space after a non-space
+    for ws in "\n\t\r\x0b\x0c ":
+        head = "\r" + "0" * (BLOCK_CHARS // 2 - 2) + ws
+        for text in ((head + " ") * 5 + "0", (head + " x") * 5):
+            _same(tok, fast, text)
+            _same(tok, fast, text)
+    # a text without any cut is encoded, but its one long block is not remembered
+    solid = "x" * (20 * BLOCK_CHARS)
+    n = len(fast.blocks)
+    assert fast.encode(solid) == tok.encode(solid).ids and len(fast.blocks) == n
+    # a block cache of 0 turns the blocks off: the same ids
+    off = ByteLevelBPE.from_tokenizer(tok, spec, max_blocks=0)
+    assert [off.encode(t) for t in texts] == [tok.encode(t).ids for t in texts] and off.blocks == {}
+
+
+def test_no_segments_finds_every_whitespace_before_a_space():
+    for ws in " \t\n\r\x0b\x0c":
+        assert _no_segments("abc" + ws + " d") and _no_segments(ws + " ")
+    for ok in ("a b c", "a\nb\tc", "a \n", "a\x1c b", "", " a", "a "):
+        assert not _no_segments(ok), repr(ok)
 
 
 def test_unsupported_tokenizers_get_no_fast_encoder(smollm2):

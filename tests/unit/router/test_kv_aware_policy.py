@@ -115,3 +115,64 @@ def test_decode_budget():
     assert decode_budget({"sampling_params": {"max_new_tokens": 5}}) == 5
     assert decode_budget({}) == DEFAULT_DECODE_TOKENS
     assert decode_budget({"max_tokens": 10**9}) == 1024
+
+
+def _reference_choice(pol, workers, key):
+    """The cost rule of the module docstring, written out plainly: (url, rank, branch, cached) of the lowest cost."""
+    ids = key.tokens
+    per_tenant = pol.tree.match_per_tenant(key.tree_text())
+    ranks = {w.url: sorted(pol.subs[w.url]) if pol.subs.get(w.url) else [0] for w in workers}
+    matched = pol.index.match(ids[:-1], [(w.url, r) for w in workers for r in ranks[w.url]])
+    best = None
+    for order, w in enumerate(workers):
+        for rank, looked in (((r, [r]) for r in ranks[w.url]) if pol.dp_aware else [(None, ranks[w.url])]):
+            tenant = w.url if rank is None else f"{w.url}#{rank}"
+            tree = max(0, per_tenant.get(tenant, 0) - 1)
+            cached, branch = -1, "fallback"
+            for r in looked:
+                sub = pol.subs.get(w.url, {}).get(r)
+                state = sub.state if sub is not None else "fallback"
+                ev = matched.get((w.url, r), 0)
+                c = {"exact": ev, "degraded": max(ev, tree), "fallback": tree}[state]
+                if c > cached:
+                    cached, branch = c, state
+            cached = min(cached, key.prompt_tokens - 1)
+            load = pol.load_tokens.get((w.url, rank), 0)
+            cost = pol.prefill_weight * (key.prompt_tokens - cached) + pol.load_weight * load
+            score = (cost, pol.inflight.get((w.url, rank), 0) if rank is not None else w.load, order)
+            if best is None or score < best[0]:
+                best = (score, w.url, rank, branch, cached)
+    return best[1:]
+
+
+def test_decisions_match_the_written_out_rule_on_random_states():
+    """Workers with and without streams (an empty stream map too), every trust, DP ranks or not."""
+    import random
+
+    rng = random.Random(5)
+    urls = [f"http://w{i}:1" for i in range(4)]
+    for case in range(300):
+        dp = rng.random() < 0.5
+        pol = KvAwarePolicy(speculative_ttl_s=0, dp_aware=dp, load_weight=rng.choice([0.1, 1.0]))
+        for u in urls:
+            kind = rng.choice(["none", "empty", "streams"])
+            if kind == "empty":
+                pol.subs[u] = {}
+            elif kind == "streams":
+                pol.subs[u] = {r: SimpleNamespace(state=rng.choice(["exact", "degraded", "fallback"]))
+                               for r in range(rng.randint(1, 2))}
+            for r in range(2):
+                if rng.random() < 0.5:
+                    store(pol, u, P[:4 * rng.randint(1, 8)], rank=r)
+                if rng.random() < 0.3:
+                    pol.load_tokens[(u, r if dp else None)] = rng.randint(0, 40)
+            if rng.random() < 0.5:
+                tenant = f"{u}#{rng.randint(0, 1)}" if dp else u
+                pol.tree.insert(RouteKey("", P[:rng.randint(1, 32)]).tree_text(), tenant)
+        workers = [Worker(u) for u in urls]
+        for w in workers:
+            w.load = rng.randint(0, 2)
+        key = RouteKey("", P[:rng.randint(2, 32)] + [7], 0)
+        want = _reference_choice(pol, workers, key)
+        got = pol.select(workers, key)
+        assert (got.url, key.rank, key.branch, key.cached) == want, case

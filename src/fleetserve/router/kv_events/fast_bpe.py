@@ -20,7 +20,15 @@ it does the same steps itself:
    ASCII text under the GPT-2 pattern skips the regex where it can: it is cut
    at spaces into segments that are provably piece-aligned, each cached with
    its ids (:meth:`ByteLevelBPE._segments`);
-4. add the post-processor's constant special tokens when asked.
+4. ASCII text longer than :data:`BLOCK_CHARS` under the GPT-2 pattern is first cut
+   into blocks of about that many characters, each cut before a space that follows
+   a non-space (a piece boundary, see ``_segments``), and each block's ids are
+   remembered keyed by (the block before it, its text): a prompt whose opening
+   blocks were seen before (a shared system prompt, document or few-shot
+   preamble, a conversation's earlier turns) gets their ids in one dict look-up
+   per block and encodes only the rest (:meth:`ByteLevelBPE._blocks`; at most
+   ``max_blocks`` blocks, the cache is emptied when full);
+5. add the post-processor's constant special tokens when asked.
 
 Exactness: :meth:`ByteLevelBPE.from_tokenizer` returns None (the caller then
 uses ``Tokenizer.encode``) unless the ``tokenizer.json`` is of that shape, and
@@ -31,11 +39,14 @@ a text whose regex pieces do not cover it exactly is encoded by the library.
 from __future__ import annotations
 
 import re
-from itertools import chain, islice
+from itertools import chain, count, islice
 
 import regex
 
 DEFAULT_MAX_WORDS = 1 << 16  # entries in each of the two caches (pieces, segments; about 5-10 MB each at most)
+DEFAULT_MAX_BLOCKS = 1 << 15  # entries in the prefix block cache (about 1 KB each: 32 MB at most)
+BLOCK_CHARS = 256  # a block is cut at the first such space at least this many characters into it
+_BLOCK_MAX_CHARS = 8 * BLOCK_CHARS  # a longer block (a long run without a cut) is encoded but not remembered
 
 # The ByteLevel pre-tokenizer's own regex (tokenizers, pre_tokenizers/byte_level.rs; GPT-2's encoder.py)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -44,7 +55,22 @@ _WS = r"\t\n\x0b\x0c\r "
 GPT2_ASCII_PATTERN = (rf"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+"""
                       rf"""|[{_WS}]+(?![^{_WS}])|[{_WS}]+""")
 
-_WS_SPACE = ("\t ", "\n ", "\x0b ", "\x0c ", "\r ")  # whitespace before a space: no cut there (_segments)
+_WS_CHARS = frozenset("\t\n\x0b\x0c\r ")  # the characters _WS spells out for the regex
+
+
+def _no_segments(text: str) -> bool:
+    """True when ``text`` has a double space or other whitespace before a space (then no ``_segments``).
+
+    A one-character ``in`` first: CPython finds a single character with memchr, while a two-character
+    needle ending in a space is slow on text full of spaces (the skip table keys on that space).
+    """
+    if "  " in text:
+        return True
+    for c in "\n\t\r\x0b\x0c":
+        if c in text and c + " " in text:
+            return True
+    return False
+
 
 # Texts the fast encoder must encode as the library does before it is used
 PROBES = (
@@ -101,7 +127,7 @@ class ByteLevelBPE:
     """
 
     def __init__(self, tokenizer, pattern: str, added: dict[str, int], pre: list[int], post: list[int],
-                 max_words: int = DEFAULT_MAX_WORDS) -> None:
+                 max_words: int = DEFAULT_MAX_WORDS, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         self.tokenizer = tokenizer
         self.model = tokenizer.model
         self.split = regex.compile(pattern).findall
@@ -109,15 +135,21 @@ class ByteLevelBPE:
         self.added = added
         self.added_split = (regex.compile("|".join(regex.escape(t) for t in sorted(added, key=len, reverse=True)))
                             if added else None)
+        self.added_firsts = tuple(sorted({t[0] for t in added}))  # the first characters of the added tokens
         self.pre, self.post = pre, post
         self.max_words = max_words
         self.words: dict[str, list[int]] = {}  # regex piece -> its BPE ids
         self.segments: dict[str, list[int]] = {}  # ASCII chunk ("word,") -> ids of " word," (see _segments)
         self.heads: dict[str, list[int]] = {}  # ASCII chunk that starts a text -> its ids
+        self.max_blocks = max_blocks
+        self.blocks: dict[tuple[int, str], tuple[int, list[int]]] = {}  # (parent node, block) -> (node, ids)
+        self._nodes = count(1)  # block node ids (0: a text's start); next() on a count is atomic under the GIL
+        self.block_hits = self.block_misses = 0
         self.fallbacks = 0  # texts the library encoded because the pieces did not cover them
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, spec: dict, max_words: int = DEFAULT_MAX_WORDS) -> "ByteLevelBPE | None":
+    def from_tokenizer(cls, tokenizer, spec: dict, max_words: int = DEFAULT_MAX_WORDS,
+                       max_blocks: int = DEFAULT_MAX_BLOCKS) -> "ByteLevelBPE | None":
         """The fast encoder for ``tokenizer`` (``spec``: its parsed tokenizer.json), or None when unsupported."""
         if spec.get("normalizer") is not None or spec.get("truncation") or spec.get("padding"):
             return None
@@ -136,10 +168,11 @@ class ByteLevelBPE:
             added[t["content"]] = t["id"]
         try:
             pre, post = _post_tokens(tokenizer)
-            fast = cls(tokenizer, pattern, added, pre, post, max_words)
+            fast = cls(tokenizer, pattern, added, pre, post, max_words, max_blocks)
         except (regex.error, re.error, ValueError):
             return None
         sample = list(PROBES) + [PROBES[0] + c + PROBES[3] for c in list(added)[:8]]
+        sample.append((PROBES[0] + PROBES[2] + PROBES[4] + PROBES[5]) * 3)  # ASCII, several blocks (step 4)
         for text in sample:
             for special in (True, False):
                 if fast.encode(text, special) != tokenizer.encode(text, add_special_tokens=special).ids:
@@ -147,12 +180,14 @@ class ByteLevelBPE:
         fast.words.clear()
         fast.segments.clear()
         fast.heads.clear()
+        fast.blocks.clear()
+        fast.block_hits = fast.block_misses = 0
         return fast
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         out = list(self.pre) if add_special_tokens else []
-        if self.added_split is None:
-            ok = self._plain(text, out)
+        if self.added_split is None or not any(map(text.__contains__, self.added_firsts)):
+            ok = self._plain(text, out)  # no added token can be in it (one memchr per first character)
         else:
             ok, at = True, 0
             for m in self.added_split.finditer(text):
@@ -171,10 +206,53 @@ class ByteLevelBPE:
 
     def _plain(self, text: str, out: list[int]) -> bool:
         """Append the ids of ``text`` (no added tokens in it) to ``out``; False when the split misses a character."""
-        if (self.ascii_split is not None and text.isascii() and "  " not in text
-                and not any(w in text for w in _WS_SPACE)):
-            return self._segments(text, out)
+        if self.ascii_split is not None and text.isascii():
+            if len(text) > BLOCK_CHARS and self.max_blocks:
+                return self._blocks(text, out)
+            if not _no_segments(text):
+                return self._segments(text, out)
         return self._pieces(text, out)
+
+    def _blocks(self, text: str, out: list[int]) -> bool:
+        """ASCII text under the GPT-2 pattern, as a chain of cached blocks (step 4 of the module docstring).
+
+        A block ends before the first space at least :data:`BLOCK_CHARS` characters into it whose
+        previous character is not whitespace (as in ``_segments``, such a space opens a piece and
+        ends the one before, so the text's ids are the concatenation of its blocks' own ids); the
+        last block runs to the end.  A block's cache key is (the node id of the block chain before
+        it, its text): node ids are unique (a counter), so a hit means the whole text up to the
+        block's end was seen, and the match is exact (dict keys compare the text itself).
+        """
+        blocks = self.blocks
+        n = len(text)
+        node = start = 0
+        while start < n:
+            cut = text.find(" ", start + BLOCK_CHARS)
+            while cut > 0 and text[cut - 1] in _WS_CHARS:
+                cut = text.find(" ", cut + 1)
+            if cut < 0:
+                cut = n
+            block = text[start:cut]
+            hit = blocks.get((node, block)) if node >= 0 else None
+            if hit is not None:
+                node, ids = hit
+                self.block_hits += 1
+            else:
+                self.block_misses += 1
+                ids = []
+                if not (self._pieces(block, ids) if _no_segments(block) else self._segments(block, ids)):
+                    return False
+                if node >= 0 and cut - start <= _BLOCK_MAX_CHARS:
+                    if len(blocks) >= self.max_blocks:
+                        blocks.clear()  # the node ids in hand stay unique: later look-ups of them just miss
+                    child = next(self._nodes)
+                    blocks[(node, block)] = (child, ids)
+                    node = child
+                else:
+                    node = -1  # a block not remembered: the rest of the text is encoded but not remembered
+            out += ids
+            start = cut
+        return True
 
     def _segments(self, text: str, out: list[int]) -> bool:
         """ASCII text under the GPT-2 pattern, cut before every space that follows a non-space.

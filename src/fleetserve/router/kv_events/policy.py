@@ -53,6 +53,7 @@ from .tokenize import RouterTokenizer, request_ids_without_tokenizer
 log = logging.getLogger("fleetserve.router")
 
 SESSION = "session"  # the branch of a request --sticky-sessions sent (route_header.py)
+_NONE: dict = {}  # no index match (never written)
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
 
@@ -160,41 +161,54 @@ class KvAwarePolicy:
         tokens = key.tokens
         per_tenant = self.tree.match_per_tenant(key.tree_text()) if (tokens or key.text) else {}
         tree_unit = 1 if tokens else 1 / CHARS_PER_TOKEN
-        targets = []  # (worker, rank or None, ranks to look at)
-        all_targets = []
-        for w in workers:
-            ranks = self.ranks(w.url)
-            all_targets.extend((w.url, r) for r in ranks)
-            if self.dp_aware:
-                targets.extend((w, r, (r,)) for r in ranks)
-            else:
-                targets.append((w, None, ranks))
+        tree_off = 1 if tokens else 0
+        subs = self.subs
+        if self.dp_aware:  # one target per DP rank
+            targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url)]
+        else:  # one target per worker, the best of its ranks
+            targets = [(w, None, None) for w in workers]
         # the engine always computes the last prompt token (vLLM, SGLang and ours match at most
-        # prompt[:-1], in whole pages), so the prefix that can be cached is prompt[:-1]
-        matched = self.index.match(tokens[:-1], all_targets) if tokens else {}
+        # prompt[:-1], in whole pages), so the prefix that can be cached is prompt[:-1].  Before any
+        # target's first event the index holds nothing (no block size known): no match to look up.
+        index = self.index
+        if tokens and index.block_size:
+            matched = index.match(tokens[:-1], [(w.url, r) for w in workers for r in self.ranks(w.url)])
+        else:
+            matched = _NONE
         cap = max(key.prompt_tokens - 1, 0)
         best = None
         engine_loads = self.engine_loads
-        now = time.monotonic()
+        now = time.monotonic() if engine_loads is not None else 0.0
+        load_tokens, inflight = self.load_tokens, self.inflight
+        prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
         for order, (w, rank, ranks) in enumerate(targets):
-            tenant = w.url if rank is None else f"{w.url}#{rank}"
-            tree_tokens = max(0, per_tenant.get(tenant, 0) - (1 if tokens else 0)) * tree_unit
-            cached, branch = -1, FALLBACK
-            for r in ranks:
-                state = self.trust(w.url, r)
-                ev = matched.get((w.url, r), 0)
-                c = ev if state == EXACT else max(ev, tree_tokens) if state == DEGRADED else tree_tokens
-                if c > cached:
-                    cached, branch = c, state
+            url = w.url
+            tenant = url if rank is None else f"{url}#{rank}"
+            tree_tokens = max(0, per_tenant.get(tenant, 0) - tree_off) * tree_unit
+            wsubs = subs.get(url) if subs else None
+            if not wsubs:  # no KV-event stream: the approximate tree
+                cached, branch = tree_tokens, FALLBACK
+            else:
+                cached, branch = -1, FALLBACK
+                for r in (ranks or sorted(wsubs)):
+                    sub = wsubs.get(r)
+                    state = sub.state if sub is not None else FALLBACK
+                    if state == FALLBACK:
+                        c = tree_tokens
+                    else:
+                        ev = matched.get((url, r), 0)
+                        c = ev if state == EXACT else max(ev, tree_tokens)
+                    if c > cached:
+                        cached, branch = c, state
             cached = min(int(cached), cap)
-            lk = (w.url, rank)
-            load = self.load_tokens.get(lk, 0)
+            lk = (url, rank)
+            load = load_tokens.get(lk, 0)
             if engine_loads is not None:  # the engine's own count, while fresh (loads.py)
-                seen = engine_loads.tokens(w.url, rank, now)
+                seen = engine_loads.tokens(url, rank, now)
                 if seen is not None and seen > load:
                     load = seen
-            cost = (self.prefill_weight * (key.prompt_tokens - cached) + self.load_weight * load)
-            reqs = self.inflight.get(lk, 0) if rank is not None else w.load
+            cost = prefill_weight * (prompt_tokens - cached) + load_weight * load
+            reqs = inflight.get(lk, 0) if rank is not None else w.load
             score = (cost, reqs, order)
             if best is None or score < best[0]:
                 best = (score, w, rank, branch, cached)
@@ -246,9 +260,10 @@ class KvAwarePolicy:
         text = key.tree_text()
         if text:
             self.tree.insert(text, tenant)
-        if key.tokens and self.speculative_ttl_s > 0:
+        index = self.index
+        if key.tokens and self.speculative_ttl_s > 0 and index.block_size:  # none before a first event
             for r in ((rank,) if rank is not None else self.ranks(url)):
-                self.index.add_speculative((url, r), key.tokens, self.speculative_ttl_s)
+                index.add_speculative((url, r), key.tokens, self.speculative_ttl_s)
         lk = (url, rank)
         n = key.prompt_tokens - key.cached + key.decode_tokens  # the KV it adds there: shared pages count once
         self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
