@@ -45,6 +45,16 @@ from quant_throughput import closed_loop  # noqa: E402
 BUCKETS = [1, 8, 32]
 
 
+class GemmSwitch:
+    """A layer's ``_gemm`` that calls ``impl`` (the variant's kernel object)."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def __call__(self, x, weight, bias=None):
+        return self.impl(x, weight, bias)
+
+
 def decode_batch(runner, bs: int, ctx: int = 64):
     """Allocate ``bs`` requests of ``ctx`` cached tokens and return (DECODE ForwardBatch, slots to free)."""
     from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
@@ -94,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     quants = a.quantization.split(",")
 
     from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
+    from torch._dynamo.utils import counters
+
     from fleetserve.engine.args import ServerArgs
+    from fleetserve.engine.cuda_graph_runner import default_seq_len_buckets
     from fleetserve.engine.model_runner import ModelRunner
     from fleetserve.engine.rank_builder import build_rank
     from fleetserve.layers.quantization import apply_quantization
@@ -103,23 +116,30 @@ def main(argv: list[str] | None = None) -> int:
 
     path = default_model_path()
     t0 = time.perf_counter()
-    runner = ModelRunner(path, dtype="float32", max_total_tokens=16384, show_progress=False,
-                         enable_torch_compile=True, graph_batch_sizes=buckets)
-    compile_s = time.perf_counter() - t0
-    compiled_runner = runner.graph_runner
-    print(f"built in {compile_s:.0f} s, per bucket "
-          f"{ {b: round(s) for b, s in compiled_runner.compile_seconds.items()} }", flush=True)
+    runner = ModelRunner(path, dtype="float32", max_total_tokens=16384, show_progress=False)
     layers = [m for m in runner.model.modules() if hasattr(m, "_gemm")]
     gemms = {"none": [m._gemm for m in layers]}
     for q in quants:
         if q != "none":
             apply_quantization(runner.model, q, "cpu")
             gemms[q] = [m._gemm for m in layers]
+    # Set each layer's _gemm once, before compiling, to a switch the variants flip: setting a module
+    # attribute after compiling could invalidate dynamo's guards on the module (a recompile).
+    switches = [GemmSwitch(g) for g in gemms["none"]]
+    for m, sw in zip(layers, switches):
+        m._gemm = sw
+    runner._init_compiled_runner(buckets, default_seq_len_buckets(runner.max_context_len))
+    compile_s = time.perf_counter() - t0
+    compiled_runner = runner.graph_runner
+    print(f"built in {compile_s:.0f} s, per bucket "
+          f"{ {b: round(s) for b, s in compiled_runner.compile_seconds.items()} }", flush=True)
+    torch._logging.set_logs(recompiles=True)
+    graphs = counters["stats"]["unique_graphs"]
 
     def use(name: str) -> None:
         q, kind = name.split("/")
-        for m, g in zip(layers, gemms[q]):
-            m._gemm = g
+        for sw, g in zip(switches, gemms[q]):
+            sw.impl = g
         runner.graph_runner = compiled_runner if kind == "compiled" else None
 
     names = [f"{q}/{kind}" for q in quants for kind in ("eager", "compiled")]
@@ -179,13 +199,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"TTFT {res[name][1] * 1000:6.0f} ms, tokens == its eager: {same}  "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
 
+    recompiles = counters["stats"]["unique_graphs"] - graphs
+    print(f"graphs compiled while measuring: {recompiles}", flush=True)
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     load = os.getloadavg()
     body = (f"{lscpu_model()}; 2 cores shared with other jobs (noisy: compare within a row). "
             f"torch {torch.__version__}, {a.threads} threads. Compiled runner: buckets {buckets}, KV width "
             f"dynamic (the batch's longest sequence, as eager), linears and collectives opaque custom ops; "
             f"start-up {compile_s:.0f} s (load + compiling every bucket once; the variants share the model "
-            f"and its graphs). Peak RSS {rss_gib:.1f} GiB. Load average at the end (1/5/15 min): "
+            f"and its graphs; {recompiles} graphs compiled while measuring). Peak RSS {rss_gib:.1f} GiB. Load average at the end (1/5/15 min): "
             f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n\n"
             f"Decode step (`ModelRunner.forward`, {a.steps} steps, every request 65 tokens long; ratio against "
             "the same linears eager):\n\n"
