@@ -1,4 +1,4 @@
-"""Decode throughput of SmolLM2, eager vs ``--enable-torch-compile``, in one run.
+"""Decode throughput of SmolLM2, eager vs ``--enable-torch-compile``, float32 and fp16 weights, in one run.
 
 Two measurements, each with the variants side by side (same process, same
 prompts, the variants taking turns at each level so machine noise hits them alike):
@@ -11,14 +11,20 @@ prompts, the variants taking turns at each level so machine noise hits them alik
 
 The compiled runner is built with buckets ``1, 8, 32`` only (the default list,
 ``1, 2, 4, 8, 16, 24, 32``, would compile seven graphs); a batch between two
-buckets is padded to the next one. ``--freezing`` adds a third variant compiled
-with inductor's ``freezing`` (weights folded as constants, oneDNN-packed linears).
+buckets is padded to the next one.
+
+One model serves every variant, so the buckets compile once: the variant sets the
+runner's ``graph_runner`` (the compiled runner, or None for eager) and the linears'
+``_gemm`` objects (float32 oneDNN/MKL, or ``--quantization fp16_weight``'s fbgemm
+kernels). That is what a fresh compile of each variant would run: the compiled graph
+calls every linear's ``_gemm`` through the opaque ``fleetserve::gemm`` op
+(``layers/opaque_gemm.py``), whose body reads the layer's ``_gemm`` at run time.
 ``--profile`` prints torch.profiler's top ops of one step of each variant at the largest batch.
 
 Usage::
 
     python benchmarks/compile_throughput.py               # writes docs/benchmarks.md
-    python benchmarks/compile_throughput.py --no-write --freezing --profile
+    python benchmarks/compile_throughput.py --no-write --quantization none --profile
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ from engine_throughput import prompts_for  # noqa: E402
 from quant_throughput import closed_loop  # noqa: E402
 
 BUCKETS = [1, 8, 32]
+
+
+class GemmSwitch:
+    """A layer's ``_gemm`` that calls ``impl`` (the variant's kernel object)."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def __call__(self, x, weight, bias=None):
+        return self.impl(x, weight, bias)
 
 
 def decode_batch(runner, bs: int, ctx: int = 64):
@@ -78,97 +94,129 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--buckets", default=",".join(map(str, BUCKETS)), help="compiled buckets = batch sizes measured")
-    ap.add_argument("--freezing", action="store_true")
+    ap.add_argument("--quantization", default="none,fp16_weight", help="linears of the variants (comma list)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-engine", action="store_true", help="decode-step table only")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     buckets = [int(x) for x in a.buckets.split(",")]
+    quants = a.quantization.split(",")
 
-    import fleetserve.engine.compiled_decode_runner as cdr
     from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE
+    from torch._dynamo.utils import counters
+
     from fleetserve.engine.args import ServerArgs
+    from fleetserve.engine.cuda_graph_runner import default_seq_len_buckets
     from fleetserve.engine.model_runner import ModelRunner
     from fleetserve.engine.rank_builder import build_rank
+    from fleetserve.layers.quantization import apply_quantization
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer
 
     path = default_model_path()
-    kw = dict(dtype="float32", max_total_tokens=16384, show_progress=False)
-    runners = {"eager": ModelRunner(path, **kw)}
-    compile_s = {}
-    variants = [("compiled", False)] + ([("compiled+freezing", True)] if a.freezing else [])
-    for name, freeze in variants:
-        cdr.COMPILE_OPTIONS.clear()
-        if freeze:
-            cdr.COMPILE_OPTIONS["freezing"] = True
-        t0 = time.perf_counter()
-        runners[name] = ModelRunner(path, enable_torch_compile=True, graph_batch_sizes=buckets, **kw)
-        compile_s[name] = time.perf_counter() - t0
-        print(f"{name}: built in {compile_s[name]:.0f} s, per bucket "
-              f"{ {b: round(s) for b, s in runners[name].graph_runner.compile_seconds.items()} }", flush=True)
-    names = list(runners)
+    t0 = time.perf_counter()
+    runner = ModelRunner(path, dtype="float32", max_total_tokens=16384, show_progress=False)
+    layers = [m for m in runner.model.modules() if hasattr(m, "_gemm")]
+    gemms = {"none": [m._gemm for m in layers]}
+    for q in quants:
+        if q != "none":
+            apply_quantization(runner.model, q, "cpu")
+            gemms[q] = [m._gemm for m in layers]
+    # Set each layer's _gemm once, before compiling, to a switch the variants flip: setting a module
+    # attribute after compiling could invalidate dynamo's guards on the module (a recompile).
+    switches = [GemmSwitch(g) for g in gemms["none"]]
+    for m, sw in zip(layers, switches):
+        m._gemm = sw
+    runner._init_compiled_runner(buckets, default_seq_len_buckets(runner.max_context_len))
+    compile_s = time.perf_counter() - t0
+    compiled_runner = runner.graph_runner
+    print(f"built in {compile_s:.0f} s, per bucket "
+          f"{ {b: round(s) for b, s in compiled_runner.compile_seconds.items()} }", flush=True)
+    torch._logging.set_logs(recompiles=True)
+    graphs = counters["stats"]["unique_graphs"]
+
+    def use(name: str) -> None:
+        q, kind = name.split("/")
+        for sw, g in zip(switches, gemms[q]):
+            sw.impl = g
+        runner.graph_runner = compiled_runner if kind == "compiled" else None
+
+    names = [f"{q}/{kind}" for q in quants for kind in ("eager", "compiled")]
+
+    def ratio(name: str, value: dict[str, float], faster_is_lower: bool) -> float:
+        ref = value[name.split("/")[0] + "/eager"]
+        return ref / value[name] if faster_is_lower else value[name] / ref
 
     step_rows = []
     for bs in buckets:
         ms = {}
+        fb, slots = decode_batch(runner, bs)
         for name in names:
-            fb, slots = decode_batch(runners[name], bs)
-            ms[name] = step_ms(runners[name], fb, a.steps)
-            runners[name].allocator.free(slots)
+            use(name)
+            ms[name] = step_ms(runner, fb, a.steps)
+        runner.allocator.free(slots)
         for name in names:
-            step_rows.append((bs, name, ms[name], bs / ms[name] * 1000, ms["eager"] / ms[name]))
-            print(f"decode bs={bs:>2} {name:>18}: {ms[name]:7.1f} ms/step  {bs / ms[name] * 1000:7.1f} tok/s  "
-                  f"({ms['eager'] / ms[name]:.2f}x eager)", flush=True)
+            step_rows.append((bs, name, ms[name], bs / ms[name] * 1000, ratio(name, ms, True)))
+            print(f"decode bs={bs:>2} {name:>22}: {ms[name]:7.1f} ms/step  {bs / ms[name] * 1000:7.1f} tok/s  "
+                  f"({ratio(name, ms, True):.2f}x its eager)  load {os.getloadavg()[0]:.1f}", flush=True)
 
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        fb, slots = decode_batch(runner, buckets[-1])
         for name in names:
-            fb, slots = decode_batch(runners[name], buckets[-1])
-            runners[name].forward(fb)
+            use(name)
+            runner.forward(fb)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
-                    runners[name].forward(fb)
-            runners[name].allocator.free(slots)
+                    runner.forward(fb)
             print(f"--- profile {name}, 3 steps at batch {buckets[-1]}")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        runner.allocator.free(slots)
 
     engine_rows = []
     if not a.no_engine:
         tok = load_tokenizer(path)
-        scheds = {}
+        args = ServerArgs(model_path=path, dtype="float32", max_total_tokens=16384, random_seed=0)
+        sched = build_rank(args, SINGLE_RANK_STATE, runner=runner).scheduler
         for name in names:
-            args = ServerArgs(model_path=path, dtype="float32", max_total_tokens=16384, random_seed=0)
-            scheds[name] = build_rank(args, SINGLE_RANK_STATE, runner=runners[name]).scheduler
-            closed_loop(scheds[name], [tok.encode(p) for p in prompts_for(2)], 2, 4, "warm")
+            use(name)
+            closed_loop(sched, [tok.encode(p) for p in prompts_for(2)], 2, 4, "warm")
         for c in [int(x) for x in a.concurrency.split(",")]:
             n = max(4, c)
             ids = [tok.encode(t) for t in prompts_for(n)]
             res = {}
             for name in names:
-                scheds[name].flush_cache()
-                res[name] = closed_loop(scheds[name], ids, c, a.max_new_tokens, name)
+                use(name)
+                sched.flush_cache()
+                res[name] = closed_loop(sched, ids, c, a.max_new_tokens, name.replace("/", "_"))
+            tps = {name: r[0] for name, r in res.items()}
             for name in names:
-                tps, ttft, outs = res[name]
-                same = outs == res["eager"][2]
-                engine_rows.append((c, n, name, tps, tps / res["eager"][0], ttft, same))
-                print(f"engine c={c:>2} {name:>18}: {tps:7.1f} tok/s ({tps / res['eager'][0]:.2f}x eager), "
-                      f"TTFT {ttft * 1000:6.0f} ms, tokens == eager: {same}", flush=True)
+                same = res[name][2] == res[name.split("/")[0] + "/eager"][2]
+                engine_rows.append((c, n, name, tps[name], ratio(name, tps, False), res[name][1], same))
+                print(f"engine c={c:>2} {name:>22}: {tps[name]:7.1f} tok/s ({ratio(name, tps, False):.2f}x its eager), "
+                      f"TTFT {res[name][1] * 1000:6.0f} ms, tokens == its eager: {same}  "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
 
+    recompiles = counters["stats"]["unique_graphs"] - graphs
+    print(f"graphs compiled while measuring: {recompiles}", flush=True)
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    load = os.getloadavg()
     body = (f"{lscpu_model()}; 2 cores shared with other jobs (noisy: compare within a row). "
-            f"torch {torch.__version__}, {a.threads} threads, float32. Compiled runner: buckets {buckets}, KV width dynamic; start-up "
-            + ", ".join(f"{n} {s:.0f} s" for n, s in compile_s.items())
-            + f" (eager load included). Peak RSS of the process with all runners: {rss_gib:.1f} GiB.\n\n"
-            f"Decode step (`ModelRunner.forward`, {a.steps} steps, every request 65 tokens long):\n\n"
-            "| batch | variant | ms/step | decode tok/s | vs eager |\n|---|---|---|---|---|\n")
+            f"torch {torch.__version__}, {a.threads} threads. Compiled runner: buckets {buckets}, KV width "
+            f"dynamic (the batch's longest sequence, as eager), linears and collectives opaque custom ops; "
+            f"start-up {compile_s:.0f} s (load + compiling every bucket once; the variants share the model "
+            f"and its graphs; {recompiles} graphs compiled while measuring). Peak RSS {rss_gib:.1f} GiB. Load average at the end (1/5/15 min): "
+            f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n\n"
+            f"Decode step (`ModelRunner.forward`, {a.steps} steps, every request 65 tokens long; ratio against "
+            "the same linears eager):\n\n"
+            "| batch | linears / step | ms/step | decode tok/s | vs eager |\n|---|---|---|---|---|\n")
     body += "\n".join(f"| {b} | {n} | {m:.1f} | {t:.1f} | {r:.2f}x |" for b, n, m, t, r in step_rows) + "\n"
     if engine_rows:
         body += (f"\nEngine closed loop ({a.max_new_tokens} greedy tokens per request, ignore_eos; variants "
                  "interleaved per level):\n\n"
-                 "| concurrency | requests | variant | output tok/s | vs eager | mean TTFT (ms) | tokens == eager |\n"
+                 "| concurrency | requests | linears / step | output tok/s | vs eager | mean TTFT (ms) | tokens == eager |\n"
                  "|---|---|---|---|---|---|---|\n")
         body += "\n".join(f"| {c} | {n} | {m} | {t:.1f} | {r:.2f}x | {tt * 1000:.0f} | {'yes' if s else 'no'} |"
                           for c, n, m, t, r, tt, s in engine_rows) + "\n"

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from fleetserve.distributed.comm_stats import timed
 from fleetserve.distributed.parallel_state import ParallelState
+from fleetserve.distributed.traceable import traced_all_gather
 
 # Multiplier on schedule_conservativeness under DP attention (see module docstring).
 DP_ATTENTION_CONSERVATIVENESS = 1.5
@@ -141,9 +142,12 @@ def gather_tokens(x: torch.Tensor, global_num_tokens: list[int], ps: ParallelSta
     if n_own < n_max:
         padded = torch.zeros((n_max, *x.shape[1:]), dtype=x.dtype, device=x.device)
         padded[:n_own] = x
-    parts = [torch.empty_like(padded) for _ in range(ps.attn_dp_size)]
-    with timed("dp_gather"):
-        dist.all_gather(parts, padded.contiguous(), group=ps.attn_dp_group)
+    if torch.compiler.is_compiling():  # the compiled decode step (distributed/traceable.py)
+        parts = list(traced_all_gather(padded, ps.attn_dp_group, ps.attn_dp_size, "dp_gather").unbind(0))
+    else:
+        parts = [torch.empty_like(padded) for _ in range(ps.attn_dp_size)]
+        with timed("dp_gather"):
+            dist.all_gather(parts, padded.contiguous(), group=ps.attn_dp_group)
     return torch.cat([p[:n] for p, n in zip(parts, global_num_tokens)], dim=0)
 
 

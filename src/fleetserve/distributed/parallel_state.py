@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fleetserve.distributed.comm_stats import timed
+from fleetserve.distributed.traceable import traced_all_gather, traced_all_reduce
 
 
 @dataclass
@@ -80,7 +81,10 @@ SINGLE_RANK_STATE = ParallelState()
 
 
 def all_reduce(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
-    """Sum ``x`` over ``group`` in place (identity when ``size == 1``)."""
+    """Sum ``x`` over ``group`` in place (identity when ``size == 1``); while ``torch.compile``
+    traces, a new tensor from the opaque op of :mod:`fleetserve.distributed.traceable`."""
+    if size > 1 and torch.compiler.is_compiling():
+        return traced_all_reduce(x, group)
     if size > 1:
         with timed("all_reduce"):
             dist.all_reduce(x, group=group)
@@ -91,6 +95,8 @@ def all_gather_cat(x: torch.Tensor, group: Any, size: int, dim: int = -1) -> tor
     """Gather equal-shaped ``x`` from every rank of ``group`` and concatenate on ``dim``."""
     if size == 1:
         return x
+    if torch.compiler.is_compiling():
+        return torch.cat(list(traced_all_gather(x, group, size).unbind(0)), dim=dim)
     parts = [torch.empty_like(x) for _ in range(size)]
     with timed("all_gather"):
         dist.all_gather(parts, x.contiguous(), group=group)

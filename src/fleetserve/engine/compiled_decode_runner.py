@@ -10,16 +10,23 @@ CUDA graph. SGLang does the same on CPU (``--enable-torch-compile``,
 batch size with ``dynamic=False``).
 
 Shapes: the batch size is static (one compiled graph per bucket, as SGLang);
-the KV width (``kv_idx``'s second dimension) is marked dynamic, so one graph
-serves every width of a bucket and start-up compiles ``len(batch_sizes)``
-graphs, not ``len(batch_sizes) * len(seq_len_buckets)``.
+the KV width (``kv_idx``'s second dimension) is dynamic, so one graph serves
+every width and the step attends over the batch's longest sequence, as eager
+does (not over a padded bucket width: a CUDA graph needs fixed buffers, a
+compiled step does not). Start-up compiles ``len(batch_sizes)`` graphs.
 
 Start-up: :meth:`capture` runs each bucket once eagerly (lazy state such as the
 RoPE tables' device is settled before tracing), then once compiled, which
-compiles it. Inside the graph the linears are plain ``F.linear``
-(:class:`~fleetserve.layers.cpu_gemm.PackedLinear` steps aside while tracing). Compile time grows with the
-model's layers; on SmolLM2 it is minutes on a small shared machine (see
-docs/benchmarks.md).
+compiles it. Inside the graph every linear's gemm is one opaque custom op
+(``fleetserve::gemm``, :mod:`fleetserve.layers.opaque_gemm`) that runs the layer's
+eager kernel (oneDNN-packed float32, MKL, or the ``--quantization`` kernel), and
+every collective is one too (:mod:`fleetserve.distributed.traceable`), so under
+TP / DP attention / EP the graph does not split at each all-reduce and the gloo
+calls are the eager ones. Inductor compiles what lies between them. Compile time
+grows with the model's layers; on SmolLM2 it is minutes on a small shared
+machine (see docs/benchmarks.md). Under several ranks the compile runs inside the
+first compiled call, so a rank that compiles faster waits for the others in the
+first collective: the process group's timeout must cover the difference.
 
 Modules that read data on the host in their forward (``cuda_graph_safe = False``,
 e.g. the DeepSeek MoE, which sizes each expert's matmul by ``bincount().tolist()``)
@@ -39,12 +46,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from fleetserve.engine.cuda_graph_runner import EagerDecodeGraphRunner, Key
+from fleetserve.engine.cuda_graph_runner import EagerDecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
+#: Narrowest KV index matrix the compiled step is run with: dynamo specialises a dimension of
+#: size 0 or 1, so width 1 (a batch of one-token sequences, an IDLE rank) would compile a
+#: second graph; such batches get one more padding column (masked: it is past ``seq_lens``).
+MIN_WIDTH = 2
+
 #: Inductor options of the compiled step. ``freezing`` is left off: it folds the weights into
-#: constants per graph (one more weight copy per bucket) and gave no measured gain here.
+#: constants per graph (one more weight copy per bucket), and its one use here, oneDNN-packed
+#: linears, is had without it (the gemms run their eager kernels as opaque ops).
 COMPILE_OPTIONS: dict[str, object] = {}
 
 
@@ -67,22 +80,26 @@ class CompiledDecodeRunner(EagerDecodeGraphRunner):
 
     Args: as :class:`~fleetserve.engine.cuda_graph_runner.DecodeGraphRunner`; ``forward_fn``
     must not read tensors on the host (the model runner's static decode forward does not).
+    ``seq_len_buckets`` only sets the KV width each bucket is compiled at (the smallest, at
+    least :data:`MIN_WIDTH`): at run time the width is the batch's longest sequence, as eager.
 
     Attributes:
         compiled: the ``torch.compile``-d ``forward_fn``.
         compile_seconds: ``{bucket: seconds}`` spent compiling each bucket in :meth:`capture`.
+        last_key: ``(bucket, KV width)`` of the last :meth:`run`.
     """
 
     def __init__(self, forward_fn: Callable[..., torch.Tensor],
                  make_static_inputs: Callable[[int, int], dict[str, torch.Tensor]],
                  pad_values: dict[str, float | int], batch_sizes: Sequence[int],
-                 seq_len_buckets: Sequence[int] = (1,), warmup: int = 1):
+                 seq_len_buckets: Sequence[int] = (MIN_WIDTH,), warmup: int = 1):
         super().__init__(forward_fn, make_static_inputs, pad_values, batch_sizes, seq_len_buckets, warmup)
         self.compiled = torch.compile(forward_fn, dynamic=False, options=dict(COMPILE_OPTIONS))
         self.compile_seconds: dict[int, float] = {}
+        self.capture_width = max(MIN_WIDTH, self.seq_len_buckets[0])
 
     def capture(self) -> None:
-        """Allocate every key's buffers, then run and compile each bucket (smallest width)."""
+        """Run each bucket eagerly, then compiled (which compiles it), at the capture width."""
         import torch._dynamo.config as dynamo_config
 
         # One graph per bucket and runner (widths share it), more where the graph splits around
@@ -90,23 +107,27 @@ class CompiledDecodeRunner(EagerDecodeGraphRunner):
         need = 64 + 4 * len(self.batch_sizes)
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, need)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * need)
-        for key in self.keys():
-            inputs = self.make_static_inputs(*key)
-            if inputs["kv_idx"].shape[1] > 1:  # a width of 1 would be specialised (0/1 rule); keep it static
-                torch._dynamo.mark_dynamic(inputs["kv_idx"], 1)
-            self.inputs[key] = inputs
-        width = self.seq_len_buckets[0]
         with torch.inference_mode():
             for bs in self.batch_sizes:
-                key = (bs, width)
+                inputs = self.make_static_inputs(bs, self.capture_width)
                 for _ in range(self.warmup):
-                    self.forward_fn(**self.inputs[key])
+                    self.forward_fn(**inputs)
+                torch._dynamo.mark_dynamic(inputs["kv_idx"], 1)
                 t0 = time.perf_counter()
-                self.compiled(**self.inputs[key])
+                self.compiled(**inputs)
                 self.compile_seconds[bs] = time.perf_counter() - t0
-        logger.info("compiled decode for batch sizes %s in %.1f s (KV widths %s share each graph)",
-                    self.batch_sizes, sum(self.compile_seconds.values()), self.seq_len_buckets)
+        logger.info("compiled decode for batch sizes %s in %.1f s (KV width dynamic)",
+                    self.batch_sizes, sum(self.compile_seconds.values()))
 
-    def _launch(self, key: Key) -> torch.Tensor:
-        self.outputs[key] = self.compiled(**self.inputs[key])
-        return self.outputs[key]
+    def run(self, inputs: dict[str, torch.Tensor], bucket: int, seq_len: int) -> torch.Tensor:
+        """Pad the real rows to ``bucket`` rows and the KV index matrix to ``max(seq_len, MIN_WIDTH)``
+        columns (fresh tensors), run the compiled step; returns the first ``n`` rows (a new tensor)."""
+        width = max(MIN_WIDTH, int(seq_len))
+        padded = {}
+        for name, src in inputs.items():  # 2-D inputs are KV index matrices
+            tail = (width,) if src.dim() == 2 else tuple(src.shape[1:])
+            buf = torch.empty((bucket, *tail), dtype=src.dtype, device=src.device)
+            padded[name] = self._padded(buf, src, name)
+        n = next(iter(inputs.values())).shape[0] if inputs else 0
+        self.last_key = (bucket, width)
+        return self.compiled(**padded)[:n]

@@ -36,9 +36,11 @@ from typing import Any
 import torch
 
 from fleetserve.distributed.parallel_state import SINGLE_RANK_STATE, ParallelState
+from fleetserve.distributed.traceable import register_groups
 from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
 from fleetserve.core.kv_pool import TokenSlotAllocator
 from fleetserve.core.forward_context import ForwardContext
+from fleetserve.layers.opaque_gemm import register_gemm_layers
 from fleetserve.layers.quantization import apply_quantization, check_quantization
 from fleetserve.engine.compiled_decode_runner import CompiledDecodeRunner, run_host_syncing_modules_eagerly
 from fleetserve.engine.cuda_graph_runner import (DecodeGraphRunner, EagerDecodeGraphRunner, default_batch_sizes,
@@ -126,8 +128,9 @@ class ModelRunner:
             :mod:`fleetserve.layers.quantization`); applied once after the weights load.
         enable_torch_compile: on a non-CUDA device, decode batches up to ``torch_compile_max_bs``
             through ``torch.compile`` (``--enable-torch-compile``; compiles every bucket at
-            start-up). Ignored (logged) on CUDA, where the CUDA graphs run, and with more than
-            one rank (``pstate.tp_size > 1``: collectives inside a compiled graph are untested).
+            start-up). Ignored (logged once, by rank 0) on CUDA, where the CUDA graphs run. Under
+            TP / DP attention / EP every rank compiles the same buckets; the collectives inside the
+            step are opaque ops (:mod:`fleetserve.distributed.traceable`).
         torch_compile_max_bs: largest compiled bucket (``--torch-compile-max-bs``; default 32).
         graph_batch_sizes: the buckets themselves, instead of :func:`default_batch_sizes` of the
             max (like SGLang's ``--cuda-graph-bs``; tests and benchmarks use it to compile fewer).
@@ -189,13 +192,8 @@ class ModelRunner:
             pstate.ep_rank, pstate.ep_size, type(self.kv_pool).__name__, self.kv_bytes_per_token,
             self.max_total_tokens, self.max_total_tokens * self.kv_bytes_per_token / 2**20)
         self.graph_runner: DecodeGraphRunner | None = None
-        if enable_torch_compile and self.device.type == "cuda":
+        if enable_torch_compile and self.device.type == "cuda" and pstate.tp_rank == 0:  # one line per instance
             logger.warning("--enable-torch-compile is CPU-only here; on CUDA the decode CUDA graphs run uncompiled")
-        if enable_torch_compile and self.device.type != "cuda" and pstate.tp_size > 1:
-            # The collectives inside the forward (gloo) have not been run inside a compiled graph yet.
-            logger.warning("--enable-torch-compile: one rank per instance only for now; %d ranks decode eagerly",
-                           pstate.tp_size)
-            enable_torch_compile = False
         if enable_torch_compile and self.device.type != "cuda":
             sizes = graph_batch_sizes or default_batch_sizes(torch_compile_max_bs or DEFAULT_TORCH_COMPILE_MAX_BS)
             self._init_compiled_runner(sizes,
@@ -235,7 +233,9 @@ class ModelRunner:
 
     def _init_compiled_runner(self, sizes: list[int], seq_len_buckets: list[int]) -> None:
         eager = run_host_syncing_modules_eagerly(self.model)
-        if eager:
+        register_gemm_layers(self.model)  # the linears' kernels stay opaque ops in the graph
+        register_groups(self.pstate)  # so do the collectives (distributed/traceable.py)
+        if eager and self.pstate.tp_rank == 0:
             logger.info("compiled decode: %s run eagerly inside the step (host reads)", ", ".join(eager))
         runner = CompiledDecodeRunner(self._static_decode_forward, self._make_static_inputs, GRAPH_PAD_VALUES,
                                       sizes, seq_len_buckets)

@@ -92,7 +92,8 @@ class PackedLinear:
 
     @staticmethod
     def _traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The call as torch.compile traces it (``--enable-torch-compile``): plain ``F.linear``.
-        Inductor lowers oneDNN's packed linear only for weights it froze itself
-        (``freezing``), so the packed copy made here cannot go into a compiled graph."""
+        """The call as torch.compile traces it when the layer has no opaque-gemm handle: plain
+        ``F.linear`` (the packed copy cannot go into a traced graph). ``--enable-torch-compile``
+        registers its layers (:mod:`fleetserve.layers.opaque_gemm`), so its graph calls this
+        object eagerly instead."""
         return F.linear(x, weight, bias)

@@ -31,6 +31,7 @@ from torch import nn
 
 from fleetserve.distributed.parallel_state import ParallelState, all_gather_cat, all_reduce, shard_range
 from fleetserve.layers.cpu_gemm import PackedLinear
+from fleetserve.layers.opaque_gemm import linear_gemm
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
             _copy_into(self.bias[off:off + n], source.read(bias_name, 0, start, end), bias_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm(x, self.weight, self.bias)
+        return linear_gemm(self, x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -143,7 +144,7 @@ class RowParallelLinear(nn.Module):
             _copy_into(self.bias, source.read(bias_name), bias_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._gemm(x, self.weight)
+        y = linear_gemm(self, x, self.weight)
         if self.reduce_results:
             y = all_reduce(y, self.tp.group, self.tp.size)
         if self.bias is not None:
@@ -212,7 +213,7 @@ class ParallelLMHead(nn.Module):
             _copy_into(self.weight[: real_end - self.start], source.read(name, 0, self.start, real_end), name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._gemm(hidden, self.weight)
+        logits = linear_gemm(self, hidden, self.weight)
         logits = all_gather_cat(logits, self.tp.group, self.tp.size, dim=-1)
         if self.padded_vocab != self.vocab_size:
             logits = logits[:, : self.vocab_size]

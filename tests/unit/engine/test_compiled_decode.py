@@ -22,7 +22,7 @@ def _runner(path, **kw):
 #: Compiling costs about a minute per model and bucket set on this 2-core machine (inductor's C++
 #: build), so the DeepSeek-V2 case (MoE run eagerly inside the step) compiles one bucket only: both
 #: of its batches run padded to 4.
-CASES = [("tiny_llama_dir", [1, 4], [(1, 64), (4, 64)]), ("tiny_deepseek_v2_dir", [4], [(4, 64), (4, 64)])]
+CASES = [("tiny_llama_dir", [1, 4], [(1, 18), (4, 18)]), ("tiny_deepseek_v2_dir", [4], [(4, 18), (4, 18)])]
 
 
 @pytest.mark.slow
@@ -43,8 +43,8 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(kind, buckets, keys, requ
         runner.last_key = None
         got = greedy_generate(compiled, prompts, NEW_TOKENS)
         assert got == want, (kind, len(prompts))
-        # the last step (longest sequence 7 + 12 = 19) ran compiled at bucket 1, or at bucket 4 with
-        # padding rows, width 64 (the graph compiled at width 16 serves it: the width is dynamic)
+        # the last step (longest sequence 7 + 11 = 18) ran compiled at bucket 1, or at bucket 4 with
+        # padding rows, KV width 18 as eager (the graph compiled at width 16 serves it: it is dynamic)
         assert runner.last_key == key
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step recompiled"
     assert compiled.allocator.available_size() == eager.allocator.available_size()

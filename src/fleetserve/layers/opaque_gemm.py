@@ -1,0 +1,57 @@
+"""The linears' gemms as one opaque custom op while ``torch.compile`` traces (``--enable-torch-compile``).
+
+Eager, a linear layer calls its ``_gemm`` object: :class:`~fleetserve.layers.cpu_gemm.PackedLinear`
+(oneDNN with a weight packed once) or a ``--quantization`` kernel (fbgemm int8 / fp16 weights,
+weight-only int8 / int4). Traced as Python, those would become plain ``F.linear`` (inductor cannot
+see the packed copy) or fail on the fbgemm packed-parameter objects. So :func:`linear_gemm`, while
+compiling, emits ``fleetserve::gemm(x, weight, bias, handle)`` instead: one node inductor leaves
+alone, whose body at run time calls the same ``_gemm`` of the same layer, so the compiled step uses
+exactly the eager kernels (same tokens in float32) and inductor fuses only what lies between them
+(norms, RoPE, activations, attention masks). ``handle`` is the layer's number in a process-wide
+table of weak references, given by :func:`register_gemm_layers` before compiling.
+
+Output: ``[..., weight.shape[0]]`` in ``x``'s dtype (every ``_gemm`` returns that).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+_LAYERS: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+_NEXT = itertools.count(1)
+
+
+def register_gemm_layers(model: nn.Module) -> int:
+    """Give every module of ``model`` that has a ``_gemm`` a handle (once); returns how many have one."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "_gemm"):
+            if getattr(m, "_gemm_handle", None) is None:
+                m._gemm_handle = next(_NEXT)
+                _LAYERS[m._gemm_handle] = m
+            n += 1
+    return n
+
+
+@torch.library.custom_op("fleetserve::gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], handle: int) -> torch.Tensor:
+    return _LAYERS[handle]._gemm(x, weight, bias)
+
+
+@_gemm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], handle: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def linear_gemm(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``layer._gemm(x, weight, bias)``; through ``fleetserve::gemm`` while compiling a registered layer."""
+    handle = getattr(layer, "_gemm_handle", None)
+    if handle is not None and torch.compiler.is_compiling():
+        return torch.ops.fleetserve.gemm(x, weight, bias, handle)
+    return layer._gemm(x, weight, bias)
