@@ -152,7 +152,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
     stats = router.stats
     policy = router.policy
     headers = _credential_lines(request)
-    mig = migration.start(router, path, parsed, text, headers) if stream and parsed is not None else None
+    mig = migration.start(router, path, parsed, text, headers, session) if stream and parsed is not None else None
     tried: list[Worker] = []
     failure: Response | None = None
     attempt = 0
