@@ -7,7 +7,10 @@ Two parts, each one run per table (same workers, same requests, each router in t
            workers, full-size ``shared_prefix`` and ``multi_turn``; the three
            routers plus a sweep of ``--cache-threshold`` and the balance thresholds.
 ``engine`` real engines: ``fleetserve serve`` instances of SmolLM2 on this CPU,
-           small ``shared_prefix`` and ``multi_turn``; the three routers.
+           small ``shared_prefix`` and ``multi_turn``; the three routers, or those
+           named by ``--routers`` (``kv_aware`` among them starts every instance
+           publishing KV events, ``--kv-events-config`` on ports of its own, and gives
+           the router the model's tokenizer).
 
 Before every run each worker's radix cache is flushed (``POST /flush_cache``),
 a fresh router process is started on the workers, the bench runs, and the
@@ -167,6 +170,14 @@ def run_one(label: str, kind: str, flags: list[str], urls: list[str], bench_argv
         summary["wall_s"] = time.monotonic() - t0
         if rp.poll() is not None:
             raise RuntimeError(f"router {label} died during the run")
+        if "kv_aware" in flags:  # its decisions by trust (exact / degraded / fallback), before it stops
+            import re
+
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            summary["kv_decisions"] = {b: int(float(n)) for b, n in re.findall(
+                r'fleetserve_router_kv_decisions_total\{branch="(\w+)"\} (\S+)', text)}
+            print(f"  kv_aware decisions: {summary['kv_decisions']}", flush=True)
     finally:
         stop(rp)
     summary["label"], summary["router"], summary["router_flags"] = label, kind, flags
@@ -305,6 +316,25 @@ def load_text(a: argparse.Namespace) -> str:
     return f"Poisson {a.rate} requests/s"
 
 
+KV_EVENTS_PORT = 37500  # instance i publishes on + i, its replay endpoint on + 100 + i
+
+
+def engine_routers(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """The rows of ``--routers`` in their order: round_robin, cache_aware (ours), sglang (its cache_aware),
+    kv_aware (ours, default weights, the model's tokenizer, the engines' KV events)."""
+    rows = {label.split(" ")[0] if kind == "ours" else "sglang": (label, kind, flags)
+            for label, kind, flags in routers(False, ())}
+    if "kv_aware" in a.routers:
+        from fleetserve.models.tokenizer import tokenizer_dir
+
+        rows["kv_aware"] = ("kv_aware (ours)", "ours", ["--policy", "kv_aware", "--tokenizer-path", tokenizer_dir()])
+    out = [rows[name] for name in a.routers]
+    for c in a.bounded_load:
+        out.append((f"ours, bounded load {c:g}", "ours",
+                    ["--policy", "cache_aware", "--cache-threshold", "0.3", "--bounded-load-factor", str(c)]))
+    return out
+
+
 def engine_part(a: argparse.Namespace) -> None:
     logdir = Path(a.log_dir)
     logdir.mkdir(parents=True, exist_ok=True)
@@ -312,8 +342,17 @@ def engine_part(a: argparse.Namespace) -> None:
     urls = [f"http://127.0.0.1:{port0 + i}" for i in range(a.instances)]
     threads = a.threads_per_instance or max(1, (os.cpu_count() or 1) // a.instances)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))  # instances share the cores: no oversubscription
+
+    def events(i: int) -> list[str]:
+        if "kv_aware" not in a.routers:
+            return []
+        cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT + i}",
+               "replay_endpoint": f"tcp://*:{KV_EVENTS_PORT + 100 + i}"}
+        return ["--kv-events-config", json.dumps(cfg)]
+
     procs = [start([PY, "-m", "fleetserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port0 + i),
-                    *shlex.split(a.engine_args)], logdir / f"engine-{i}.log", env) for i in range(a.instances)]
+                    *shlex.split(a.engine_args), *events(i)], logdir / f"engine-{i}.log", env)
+             for i in range(a.instances)]
     workloads = {
         "shared_prefix": ["--workload", "shared_prefix", "--num-groups", str(a.groups), "--prompts-per-group",
                           str(a.prompts_per_group), "--system-prompt-len", str(a.system_len), "--question-len",
@@ -324,6 +363,7 @@ def engine_part(a: argparse.Namespace) -> None:
     }
     sections = []
     all_rows = {}
+    loads = [os.getloadavg()[0]]
     try:
         wait_healthy(urls, procs, 900)
         for wname in a.workloads:
@@ -331,12 +371,13 @@ def engine_part(a: argparse.Namespace) -> None:
             bench_argv = [*workloads[wname], "--seed", "0", *load_args(a), "--model", a.model]
             print(f"== engine: {a.instances} instances, {wname}, {load_text(a)}", flush=True)
             rows = [run_one(label, kind, flags, urls, bench_argv, 36900, a.peer_python, logdir)
-                    for label, kind, flags in routers(False, tuple(a.bounded_load))]
+                    for label, kind, flags in engine_routers(a)]
             all_rows[wname] = rows
             sections.append((wname, rows))
             RESULTS.mkdir(exist_ok=True)
             (RESULTS / "routing_engine.json").write_text(json.dumps(all_rows, indent=1))
     finally:
+        loads.append(os.getloadavg()[0])
         for p in procs:
             stop(p, grace=20)
     body = [f"Real engines: {a.instances} `fleetserve serve` instances of SmolLM2-135M-Instruct on this CPU "
@@ -345,9 +386,15 @@ def engine_part(a: argparse.Namespace) -> None:
             f"question {a.question_len} tokens; multi_turn {a.conversations} conversations x {a.turns} turns, "
             f"{a.question_len}-token questions; {a.output_len} output tokens; {load_text(a)}; "
             f"{threads} torch thread{'' if threads == 1 else 's'} per instance. "
-            "Caches flushed and a fresh router before every run; ratios to round robin. " + a.note, ""]
+            "Caches flushed and a fresh router before every run; ratios to round robin. " + a.note, "",
+            f"1-minute load average: {loads[0]:.1f} at the start, {loads[1]:.1f} at the end (the machine is shared).",
+            ""]
     for wname, rows in sections:
         body += [f"### {wname}", "", table(rows), ""]
+        for r in rows:
+            if r.get("kv_decisions"):
+                body += [f"{r['label']} decisions by trust: "
+                         + ", ".join(f"{k} {v}" for k, v in sorted(r["kv_decisions"].items())) + ".", ""]
     if not a.no_doc:
         cmd = "python benchmarks/routing_experiment.py engine " + " ".join(shlex.quote(x) for x in a.argv)
         write_section(a.section, a.title, cmd.strip(), "\n".join(body))
@@ -394,6 +441,9 @@ def main() -> None:
     e.add_argument("--title", default="Routing: cache-aware vs round robin on real engines (CPU)")
     e.add_argument("--note", default="", help="a sentence added to the section's description")
     e.add_argument("--model", default="SmolLM2-135M-Instruct.Q4_1", help="model name the instances serve")
+    e.add_argument("--routers", nargs="+", default=["round_robin", "cache_aware", "sglang"],
+                   choices=["round_robin", "cache_aware", "sglang", "kv_aware"],
+                   help="rows, in this order (kv_aware: the instances publish KV events)")
     import routing_kv
 
     routing_kv.add_parser(sub)

@@ -109,6 +109,7 @@ class SimEngine:
         self.stats = {"num_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
                       "num_prefill_steps": 0, "num_decode_steps": 0, "busy_time_s": 0.0}
         self.gen_meter = ThroughputMeter()
+        self.prefill_meter = ThroughputMeter()  # uncached prompt tokens, for /v1/loads prefill_throughput
         self.idle = False  # True while the loop waits for work (nothing queued, running or in a prefill step)
 
     # ------------------------------------------------------------------ API
@@ -186,6 +187,8 @@ class SimEngine:
             num_pending_tokens=sum(len(r.input_ids) for r in self.waiting),
             max_running_requests=self.model.max_running_requests,
             gen_throughput=self.gen_meter.rate(),
+            prefill_throughput=self.prefill_meter.rate(),
+            timestamp=time.time(),
         )
 
     # ------------------------------------------------------------- scheduling
@@ -227,6 +230,7 @@ class SimEngine:
                 continue
             self.stats["busy_time_s"] += dur
             self.gen_meter.record(self.stats["generation_tokens"])
+            self.prefill_meter.record(self.stats["prompt_tokens"] - self.stats["cached_tokens"])
             self._end_step()
 
     @staticmethod

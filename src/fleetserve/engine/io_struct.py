@@ -135,3 +135,5 @@ class SchedulerStats:
     num_pending_tokens: int = 0
     max_running_requests: int = 0
     gen_throughput: float = 0.0
+    prefill_throughput: float = 0.0  # uncached prompt tokens/s (see load_report), SGLang's field
+    timestamp: float = 0.0  # when these figures were taken: time.time(), seconds since the epoch (SGLang's)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -117,6 +118,7 @@ class Scheduler:
         self.generation_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         self.gen_meter = ThroughputMeter()
+        self.prefill_meter = ThroughputMeter()  # uncached prompt tokens (prompt - cached), for prefill_throughput
         self._pending_outputs: list[ReqOutput] = []  # finished outside a batch (rare KV aborts)
         self.grammar = grammar_hook.GrammarQueue(self)  # requests waiting for their grammar
 
@@ -207,6 +209,8 @@ class Scheduler:
             num_pending_tokens=pending_tokens(self.waiting, self.chunked_req),
             max_running_requests=self.max_running,
             gen_throughput=self.gen_meter.rate(),
+            prefill_throughput=self.prefill_meter.rate(),
+            timestamp=time.time(),
         )
 
     # ==================================================================== step
@@ -229,6 +233,7 @@ class Scheduler:
             self._pending_outputs = []
         self._end_step_events()
         self.gen_meter.record(self.generation_tokens_total)
+        self.prefill_meter.record(self.prompt_tokens_total - self.cached_prompt_tokens_total)
         if self.check_invariants:
             self.check_kv()
         return outputs

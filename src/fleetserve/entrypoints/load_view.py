@@ -8,6 +8,9 @@ One ``/v1/loads`` entry per DP rank (SGLang's ``GetLoadsReqOutput`` core fields)
 
 ========================================  ==========================================================
 ``dp_rank``                               the DP rank (int)
+``timestamp``                             when the rank's scheduler took these figures: ``time.time()``,
+                                          seconds since the epoch (float; SGLang's field, set where
+                                          SGLang sets it, in the scheduler)
 ``num_running_reqs``                      requests holding KV and decoding or prefilling (the chunked
                                           prefill counts here; SGLang counts it in neither list)
 ``num_waiting_reqs``                      requests queued, not yet admitted (retracted ones too)
@@ -20,10 +23,16 @@ One ``/v1/loads`` entry per DP rank (SGLang's ``GetLoadsReqOutput`` core fields)
 ``max_running_requests``                  ``--max-running-requests`` (or the default)
 ``token_usage``                           ``num_used_tokens / max_total_num_tokens``, 4 decimals
 ``gen_throughput``                        tokens/s generated over the last 5 s, 2 decimals
+``prefill_throughput``                    uncached prompt tokens/s admitted to prefill over the last
+                                          5 s, 2 decimals (SGLang's newer field)
 ``cache_hit_rate``                        prompt tokens served from the radix cache / prompt tokens,
                                           since start, 4 decimals (SGLang: over recent prefills)
 ``utilization``                           always 0.0: SGLang's field, which SGLang itself leaves at 0
 ========================================  ==========================================================
+
+SGLang's optional sections of an entry (``memory``, ``speculative``, ``lora``,
+``disaggregation``, ``queues``, asked for with ``include``) are not given: we have no figures
+for them, and SGLang leaves a section out (None) when it has none.
 
 The body's top level has SGLang's ``timestamp`` (UTC ISO 8601), ``version``,
 ``dp_rank_count``, ``accelerator`` (None: not known to the HTTP process),
@@ -63,6 +72,7 @@ PROMETHEUS_FIELDS = {
     "max_total_num_tokens": "Maximum token capacity",
     "token_usage": "Token pool usage ratio",
     "gen_throughput": "Generation throughput (tokens/s)",
+    "prefill_throughput": "Prefill throughput (tokens/s)",
     "cache_hit_rate": "Prefix cache hit rate",
     "utilization": "Utilization (always 0)",
     "max_running_requests": "Maximum running requests",
@@ -97,6 +107,7 @@ def rank_load(s: SchedulerStats) -> dict[str, Any]:
     hit = s.cached_prompt_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0
     return {
         "dp_rank": int(s.dp_rank),
+        "timestamp": float(s.timestamp),
         "num_running_reqs": int(s.num_running_reqs),
         "num_waiting_reqs": int(s.num_waiting_reqs),
         "num_total_reqs": int(s.num_running_reqs) + int(s.num_waiting_reqs),
@@ -107,6 +118,7 @@ def rank_load(s: SchedulerStats) -> dict[str, Any]:
         "max_running_requests": int(s.max_running_requests),
         "token_usage": round(used / pool, 4) if pool else 0.0,
         "gen_throughput": round(float(s.gen_throughput), 2),
+        "prefill_throughput": round(float(s.prefill_throughput), 2),
         "cache_hit_rate": round(hit, 4),
         "utilization": 0.0,
     }

@@ -10,6 +10,8 @@ Flags this command does not know are passed to every instance (``fleetserve
 serve``, or ``fleetserve sim-worker`` with ``--worker-kind sim``); ``--host``
 and the ports are set here: the router listens on ``--port``, instance ``i`` on
 ``--worker-base-port + i``. Extra router flags go in ``--router-args "..."``.
+A ``--kv-events-config`` is given to instance ``i`` with its endpoints' ports moved up by
+``i x`` the instance's DP size, so that no two instances bind the same port (``launch/kv_ports.py``).
 
 Life cycle:
 
@@ -56,6 +58,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetserve.launch.kv_ports import check_kv_event_ports, instance_kv_events_args
 from fleetserve.launch.output import child_env, start_copy
 
 
@@ -258,7 +261,8 @@ class Launcher:
         self.workers = []
         for i in range(args.workers):
             port = args.worker_base_port + i
-            cmd = py + [sub, *instance_args, *access_log_flags(args), "--host", args.host, "--port", str(port)]
+            own = instance_kv_events_args(instance_args, i)  # its own KV-event ports (launch/kv_ports.py)
+            cmd = py + [sub, *own, *access_log_flags(args), "--host", args.host, "--port", str(port)]
             self.workers.append(Child(f"worker{i}", cmd, f"http://{args.host}:{port}",
                                       log=log_dir / f"worker{i}.log" if log_dir else None))
         self.router_url = f"http://{args.host}:{args.port}"
@@ -382,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         print(f"[launch] --port 0: the router will listen on port {args.port}", flush=True)
-    bad = check_ports(args)
+    bad = check_ports(args) or check_kv_event_ports(instance_args, args.workers)
     if bad:
         print(f"fleetserve launch: {bad}", file=sys.stderr)
         return 2

@@ -44,9 +44,16 @@ using a migration.  The policy chooses the continuing worker as for a retry (the
 one excluded); under ``kv_aware --dp-aware`` it also chooses that worker's DP rank, which the
 continuation carries as any routed request does (``routed_dp_rank`` first in the body, the
 ``X-data-parallel-rank`` header): never the failed worker's rank, and never none.  A rank the
-client set itself stays in the body and wins, as on the first attempt.  The route header was
-sent with the first worker's answer and is not changed.  A ``--sticky-sessions`` session is
-not moved to the continuing worker.
+client set itself stays in the body and wins, as on the first attempt.
+
+What the router records of the continuing worker, once its continuation streams (its first
+event): a ``--sticky-sessions`` session moves to it (the session's next request goes where
+the conversation's KV now is, as after any other choice the session follows); its route, the
+``x-fleetserve-route`` value it would have had, goes to the log at INFO
+(``migration: stream moved from A to B (migration n); route: ...``), since the header itself
+went out with the first worker's answer and cannot change (nor may the stream's format); and,
+when the answer ends well, the policy's predicted cached tokens on it are judged against its
+report (``cache_prediction_*{worker}`` of the new worker, :mod:`.prediction`).
 
 Not migrated (today's error event instead): several prompts or ``n > 1``, ``/generate`` with
 ``return_logprob``, completions with ``echo`` or a token-id prompt, chat that already sets
@@ -55,17 +62,21 @@ Not migrated (today's error event instead): several prompts or ``n > 1``, ``/gen
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING
 
 import orjson
 
 from .http.client import UpstreamError
+from .route_header import route_of
 
 if TYPE_CHECKING:
     from .app import Router
     from .http.server import Request
     from .workers import Worker
+
+log = logging.getLogger("fleetserve.router")
 
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default sampling_params.max_new_tokens
@@ -135,12 +146,15 @@ def migratable(path: str, body: dict) -> bool:
     return False
 
 
-def start(router: Router, path: str, body: dict, route_text, headers: bytes) -> Migration | None:
-    """The tracker of one streamed request, or None when migration is off or the request can't migrate."""
+def start(router: Router, path: str, body: dict, route_text, headers: bytes,
+          session: str | None = None) -> Migration | None:
+    """The tracker of one streamed request, or None when migration is off or the request can't migrate.
+
+    ``session``: its ``--sticky-sessions`` key, moved to the continuing worker (None: no session)."""
     limit = router.cfg.max_migrations
     if limit <= 0 or not migratable(path, body):
         return None
-    return Migration(router, path, body, route_text, headers, limit)
+    return Migration(router, path, body, route_text, headers, limit, session)
 
 
 def _fail(worker: Worker) -> None:
@@ -155,9 +169,11 @@ class Migration:
     (rewritten after a migration); :meth:`resume` does the migration after a failure.
     """
 
-    def __init__(self, router: Router, path: str, body: dict, route_text, headers: bytes, limit: int) -> None:
+    def __init__(self, router: Router, path: str, body: dict, route_text, headers: bytes, limit: int,
+                 session: str | None = None) -> None:
         self.router, self.path, self.body, self.route_text = router, path, body, route_text
-        self.headers, self.limit = headers, limit
+        self.headers, self.limit, self.session = headers, limit, session
+        self.routes: list[tuple[str, str]] = []  # (worker url, route value) of each continuation that streamed
         self.migrations = 0
         self.buf = b""
         self.text = ""  # the answer's text so far
@@ -420,10 +436,15 @@ class Migration:
             decorate = getattr(router.policy, "decorate", None)
             if decorate is not None:  # kv_aware --dp-aware: the rank the policy chose on the new worker
                 body, headers, _ = decorate(self.route_text, data, self.headers)
+                route = self.route_text.route_header() if hasattr(self.route_text, "route_header") else None
+                predicted = getattr(self.route_text, "cached", None)
+            else:
+                route, predicted = route_of(router.policy, worker, self.route_text)
             self.rewriting = True
             self.base_text, self.base_tokens = self.text, self.tokens
             self.base_ids = list(self.ids) if self.ids is not None else None
-            outcome = await self._continue_on(request, worker, body, headers)
+            outcome = await self._continue_on(request, worker, body, headers, failed if not self.routes
+                                              else self.routes[-1][0], route, predicted)
             if outcome == "done":
                 return True
             self.buf = b""
@@ -432,9 +453,22 @@ class Migration:
             else:  # it streamed, then failed: one migration used, the next one starts afresh
                 attempts = 0
 
-    async def _continue_on(self, request: Request, worker: Worker, body: bytes, headers: bytes) -> str:
+    def _moved(self, source, worker: Worker, route: str | None) -> None:
+        """The continuation on ``worker`` streams: the session follows it, its route is logged."""
+        router = self.router
+        self.routes.append((worker.url, route))
+        if self.session is not None and router.sessions is not None:
+            router.sessions.remember(self.session, worker.url)
+        src = getattr(source, "url", source)
+        log.info("migration: stream moved from %s to %s (migration %d); route: %s", src, worker.url,
+                 self.migrations, route if route is not None else "-")
+
+    async def _continue_on(self, request: Request, worker: Worker, body: bytes, headers: bytes, source=None,
+                           route: str | None = None, predicted: int | None = None) -> str:
         """Stream ``worker``'s answer to the continuation (``body``, extra ``headers``) into the client's stream.
 
+        ``source``: the worker it moves from; ``route``: the route value of ``worker`` (logged);
+        ``predicted``: the policy's predicted cached tokens there (judged when the answer ends well).
         Returns ``"done"`` (the answer ended well), ``"failed_before"`` (it failed before its first
         event) or ``"failed"`` (after; counted in ``migrations``).
         """
@@ -443,6 +477,7 @@ class Migration:
         worker.requests += 1
         resp = None
         started = False
+        prev = last = b""  # the last two chunks: the new worker's cached_tokens report is in them
         try:
             try:
                 resp = await router.pool.post(worker.url, self.path, body, headers)
@@ -459,6 +494,8 @@ class Migration:
                         started = True
                         self.migrations += 1
                         router.stats.migrations += 1
+                        self._moved(source, worker, route)
+                    prev, last = last, chunk
                     out, err = self.feed(chunk)
                     if out:
                         await request.write(out)
@@ -472,6 +509,8 @@ class Migration:
                 await request.write(self.buf)
                 self.buf = b""
             worker.breaker.record_success()
+            if predicted is not None and started:
+                router.predictions.observe(worker.url, predicted, prev + last)
             return "done"
         finally:
             worker.load -= 1

@@ -152,7 +152,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
     stats = router.stats
     policy = router.policy
     headers = _credential_lines(request)
-    mig = migration.start(router, path, parsed, text, headers) if stream and parsed is not None else None
+    mig = migration.start(router, path, parsed, text, headers, session) if stream and parsed is not None else None
     tried: list[Worker] = []
     failure: Response | None = None
     attempt = 0
@@ -189,7 +189,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
             body, hdrs = request.body, headers
             value, predicted = route_of(policy, worker, text, by_session)
             shown = () if cfg.no_route_header else ((HEADER, value),)
-        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, predicted, mig)
+        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, predicted, mig, text)
         kind = type(result)
         if kind is not _Retry and kind is not _Busy:
             return result
@@ -210,11 +210,12 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
 
 async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool,
                    body: bytes | None = None, shown=(), predicted: int | None = None,
-                   mig: migration.Migration | None = None):
+                   mig: migration.Migration | None = None, key=None):
     """One upstream attempt: the client's response, None once streamed, or a :class:`_Retry`.
 
     ``predicted``: the policy's predicted cached tokens, compared with the engine's report
-    in a 200 answer (:mod:`.prediction`); None: no guess to judge.
+    in a 200 answer (:mod:`.prediction`); None: no guess to judge.  ``key``: the routing key,
+    given to the policy's ``answered`` with a 200 answer (kv_aware: the tokenizer check).
 
     ``worker.load`` is held from before the send until this returns, whatever happens
     (answer, error, timeout, or cancellation when the client goes away).
@@ -242,6 +243,7 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
                 worker.breaker.record_success()
                 if predicted is not None and status == 200:
                     router.predictions.observe(worker.url, predicted, data)
+                    _answered(router.policy, key, worker.url, data)
                 return Response(status, data, resp.headers.get("content-type", _JSON),
                                 [*_forwarded_headers(resp), *shown])
             # a stream: nothing goes to the client before the first piece of body has arrived,
@@ -255,11 +257,18 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
         tail = await _stream(request, worker, resp, first, shown, mig)
         if predicted is not None and tail is not None and resp.status == 200:
             router.predictions.observe(worker.url, predicted, tail)
+            _answered(router.policy, key, worker.url, tail)
         return None
     finally:
         worker.load -= 1
         if resp is not None:
             resp.release()
+
+
+def _answered(policy, key, url: str, data: bytes) -> None:
+    answered = getattr(policy, "answered", None)
+    if answered is not None:
+        answered(key, url, data)
 
 
 async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chunk: bytes, shown=(),

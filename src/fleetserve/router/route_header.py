@@ -2,7 +2,7 @@
 
 Value (one line, ``; ``-separated ``name=value`` fields)::
 
-    target=URL; dp_rank=R|-; branch=B; cached_tokens=N|-; prompt_tokens=M|-
+    target=URL; dp_rank=R|-; branch=B; cached_tokens=N|-; prompt_tokens=M|-[; reason=R]
 
 * ``branch``: ``kv_aware``: the target's trust (``exact`` / ``degraded`` / ``fallback``);
   ``cache_aware``: ``hit`` / ``miss`` / ``balanced``; ``session`` when
@@ -15,6 +15,10 @@ Value (one line, ``; ``-separated ``name=value`` fields)::
   prompt token.
 * ``prompt_tokens``: the prompt's tokens as the router counts them (estimated
   from text the same way).
+* ``reason`` (``kv_aware`` only, and only when one applies): why the branch is
+  ``fallback`` whatever the KV-event stream's trust: ``tokenizer`` (the worker counts
+  other prompt tokens than the router, ``kv_events/tokenizer_check.py``) or ``text``
+  (the request has no token ids to match against events).
 
 :class:`~.prediction.PredictionStats` compares ``cached_tokens`` with what the
 engine reports.
@@ -29,11 +33,13 @@ HEADER = "x-fleetserve-route"
 _IDS = "\x1d"  # routing_text's marker of a token-id text form
 
 
-def format_route(target: str, rank: int | None, branch: str, cached: int | None, prompt_tokens: int | None) -> str:
+def format_route(target: str, rank: int | None, branch: str, cached: int | None, prompt_tokens: int | None,
+                 reason: str | None = None) -> str:
     """The header value (see the module docstring)."""
     return (f"target={target}; dp_rank={'-' if rank is None else rank}; branch={branch}; "
             f"cached_tokens={'-' if cached is None else cached}; "
-            f"prompt_tokens={'-' if prompt_tokens is None else prompt_tokens}")
+            f"prompt_tokens={'-' if prompt_tokens is None else prompt_tokens}"
+            + ("" if reason is None else f"; reason={reason}"))
 
 
 def text_prompt_tokens(text: str) -> int:

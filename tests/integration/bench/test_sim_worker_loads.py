@@ -11,6 +11,7 @@ streaming request's pages are published at once, though the worker is idle after
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -22,7 +23,7 @@ from helpers.kv_events_sub import Subscriber, batch_of, free_port_block
 
 LOAD_KEYS = {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_waiting_uncached_tokens",
              "num_used_tokens", "num_total_tokens", "max_total_num_tokens", "max_running_requests", "token_usage",
-             "gen_throughput", "cache_hit_rate", "utilization"}
+             "gen_throughput", "cache_hit_rate", "utilization", "timestamp", "prefill_throughput"}
 TOP_KEYS = {"timestamp", "version", "dp_rank_count", "accelerator", "num_accelerators", "loads", "aggregate"}
 AGG_KEYS = {"total_running_reqs", "total_waiting_reqs", "total_reqs", "avg_token_usage", "avg_throughput",
             "avg_utilization", "total_waiting_uncached_tokens", "total_used_tokens", "total_tokens"}
@@ -83,6 +84,7 @@ async def test_loads_in_the_engines_shapes_track_the_simulated_engine(sim):
     assert idle["dp_rank_count"] == 1 and idle["num_accelerators"] == 1
     (d,) = idle["loads"]
     assert set(d) == LOAD_KEYS
+    assert abs(d["timestamp"] - time.time()) < 60  # taken just now, seconds since the epoch
     assert d["max_total_num_tokens"] == 4096 and d["max_running_requests"] == 1
     assert {k: d[k] for k in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens")} == {
         "num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0, "num_total_tokens": 0}

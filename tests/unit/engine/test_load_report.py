@@ -5,6 +5,8 @@ requests come from a real radix-tree match, and every count is back at zero
 once requests finish or are aborted.
 """
 
+import time
+
 import torch
 
 from fleetserve.engine.io_struct import TokenizedGenerateReq
@@ -109,7 +111,11 @@ def test_scheduler_reports_generation_throughput(make_sched):
     s.add_request(TokenizedGenerateReq("a", prompt(9, 5), greedy(20)))
     drain(s)
     assert s.generation_tokens_total == 20
-    assert s.get_stats().gen_throughput > 0
+    before = time.time()
+    st = s.get_stats()
+    assert st.gen_throughput > 0
+    assert st.prefill_throughput > 0  # 9 uncached prompt tokens in the window
+    assert before <= st.timestamp <= time.time()  # taken now, in seconds since the epoch (SGLang's timestamp)
 
 
 def test_page_size_16_a_finished_request_leaves_its_pages_cached_but_counts_no_load(make_sched):

@@ -15,11 +15,12 @@ from fleetserve.entrypoints.validation import resolve_routed_dp_rank
 R0 = SchedulerStats(num_running_reqs=2, num_waiting_reqs=3, kv_pool_size=1000, kv_used_tokens=250,
                     prompt_tokens_total=400, cached_prompt_tokens_total=100, generation_tokens_total=77,
                     num_waiting_uncached_tokens=120, num_pending_tokens=150, max_running_requests=8,
-                    gen_throughput=12.345, dp_rank=0)
+                    gen_throughput=12.345, prefill_throughput=56.781, timestamp=1710000000.25, dp_rank=0)
 R1 = SchedulerStats(kv_pool_size=1000, max_running_requests=8, dp_rank=1)
 
-# SGLang's GetLoadsReqOutput core fields (plus its older num_total_reqs).
-CORE_FIELDS = {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_waiting_uncached_tokens",
+# SGLang's GetLoadsReqOutput core fields (plus its older num_total_reqs): python/sglang/srt/managers/io_struct.py,
+# dp_rank, timestamp (time.time() in the scheduler), ..., gen_throughput, prefill_throughput, cache_hit_rate, ...
+CORE_FIELDS = {"dp_rank", "timestamp", "prefill_throughput", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_waiting_uncached_tokens",
                "num_used_tokens", "num_total_tokens", "max_total_num_tokens", "max_running_requests", "token_usage",
                "gen_throughput", "cache_hit_rate", "utilization"}
 
@@ -27,7 +28,7 @@ CORE_FIELDS = {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_req
 def test_rank_load_has_sglangs_fields_and_values():
     d = rank_load(R0)
     assert set(d) == CORE_FIELDS
-    assert d == {"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 3, "num_total_reqs": 5,
+    assert d == {"dp_rank": 0, "timestamp": 1710000000.25, "prefill_throughput": 56.78, "num_running_reqs": 2, "num_waiting_reqs": 3, "num_total_reqs": 5,
                  "num_waiting_uncached_tokens": 120, "num_used_tokens": 250, "num_total_tokens": 400,
                  "max_total_num_tokens": 1000, "max_running_requests": 8, "token_usage": 0.25,
                  "gen_throughput": 12.35, "cache_hit_rate": 0.25, "utilization": 0.0}
@@ -60,6 +61,9 @@ def test_prometheus_format_is_sglang_underscore_names_per_dp_rank():
     got = {s.labels["dp_rank"]: s.value for s in fams["sglang_num_waiting_uncached_tokens"].samples}
     assert got == {"0": 120.0, "1": 0.0}
     assert {s.value for s in fams["sglang_token_usage"].samples} == {0.25, 0.0}
+    got = {s.labels["dp_rank"]: s.value for s in fams["sglang_prefill_throughput"].samples}
+    assert got == {"0": 56.78, "1": 0.0}  # SGLang's name (its test_v1_loads checks sglang_prefill_throughput)
+    assert "sglang_timestamp" not in fams  # a time, not a gauge SGLang exports
 
 
 def test_include_and_dp_rank_selection():

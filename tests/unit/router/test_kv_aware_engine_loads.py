@@ -161,3 +161,59 @@ async def test_a_failed_poll_drops_the_snapshot_and_a_slow_worker_is_asked_again
             assert el.tokens(url, None) == 0 and (el.polls, el.failures) == (3, 1)
     finally:
         await runner.cleanup()
+
+
+def test_taken_at_is_the_oldest_entry_timestamp():
+    from fleetserve.router.kv_events.loads import taken_at
+
+    # SGLang's entries: "timestamp": time.time() of the scheduler (a float, seconds since the epoch)
+    doc = {"timestamp": "2026-12-01T19:00:00+00:00", "loads": [
+        {"dp_rank": 0, "timestamp": 1710000002.5, "num_total_tokens": 1},
+        {"dp_rank": 1, "timestamp": 1710000001.0, "num_total_tokens": 2}]}
+    assert taken_at(doc) == 1710000001.0
+    assert taken_at({"loads": [{"dp_rank": 0, "num_total_tokens": 1}]}) is None  # an older engine: none
+    assert taken_at({"loads": [{"timestamp": "now"}, {"timestamp": float("nan")}, {"timestamp": True}]}) is None
+
+
+def test_a_snapshot_taken_long_ago_is_stale_on_arrival():
+    el = EngineLoads(1.0)
+    now = time.monotonic()
+    el.put(A, {0: 500}, now, asked=now - 0.01, taken=now - STALE_INTERVALS * 1.0 - 0.5)
+    assert el.tokens(A, None, now) is None  # it just arrived, but its figures are 3.5 s old
+    el.put(A, {0: 500}, now, asked=now - 0.01, taken=now - 0.5)
+    assert el.tokens(A, None, now) == 500
+    # a request sent after the poll went out but before the engine took the figures is in them:
+    # its end takes its prompt off (without a timestamp, only requests sent before the poll are)
+    el.put(A, {0: 500}, now, asked=now - 2.0, taken=now - 1.0)
+    el.ended(A, None, sent=now - 1.5, tokens=100, now=now + 0.1)
+    assert el.tokens(A, None, now + 0.1) == 400
+    el.put(A, {0: 500}, now, asked=now - 2.0)
+    el.ended(A, None, sent=now - 1.5, tokens=100, now=now + 0.1)
+    assert el.tokens(A, None, now + 0.1) == 500
+
+
+async def test_poll_reads_the_engines_timestamp_for_freshness(start_app):
+    stamp = [time.time()]
+
+    async def loads(_req):
+        return web.json_response({"loads": [{"dp_rank": 0, "timestamp": stamp[0], "num_total_tokens": 77}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/loads", loads)
+    runner, url = await start_app(app)
+    import aiohttp
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, registry=SimpleNamespace(urls=lambda: [url]))
+            el = EngineLoads(0.5)
+            await el.poll(router)
+            assert el.tokens(url, None) == 77  # taken just now
+            stamp[0] = time.time() - 10.0  # the engine serves a figure 10 s old (e.g. a cached one)
+            await el.poll(router)
+            assert el.tokens(url, None) is None and url in el.snapshots  # answered, but stale
+            stamp[0] = time.time() + 30.0  # a clock ahead of ours: taken on arrival, not in the future
+            await el.poll(router)
+            assert el.tokens(url, None) == 77
+            assert el.snapshots[url][3] == el.snapshots[url][0]
+    finally:
+        await runner.cleanup()

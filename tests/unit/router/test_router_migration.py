@@ -404,3 +404,48 @@ def test_dp_aware_continuation_carries_the_rank_the_policy_chose_on_the_new_work
             await b.close()
 
     run(main)
+
+
+@pytest.mark.timeout(60)
+def test_a_migrated_stream_moves_its_session_and_records_the_new_route(InProcessRouter, caplog):
+    """--sticky-sessions: the session of a stream migrated from a to b points at b afterwards (its next
+    request goes to b, a being healthy); the new route is logged, and b's prediction is judged."""
+    import logging
+
+    path, body = KINDS["completions"]
+    key = {"x-smg-routing-key": "conv-7_t1"}
+    urls = []
+
+    async def main():
+        async with fleet(InProcessRouter, "ab", sticky_sessions=True, policy="cache_aware") as (s, r, (a, b)):
+            urls.extend([a.url, b.url])
+            a.die(after=die_after_events("completions", DIE_AFTER_TOKENS))
+            async with s.post(r.url + path, json={**body, "stream": True}, headers=key) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-fleetserve-route"].startswith(f"target={a.url};")  # sent before a died
+                raw = await resp.read()
+            assert read_answer("completions", raw)["text"] == FULL
+            assert [p for p, _ in b.bodies] == [path] and r.router.stats.migrations == 1
+            assert r.router.sessions.lookup("conv-7") == b.url  # was a's
+            async with s.post(r.url + path, json={**body, "stream": True}, headers={"x-smg-routing-key": "conv-7_t2"}) \
+                    as resp:
+                assert resp.status == 200
+                assert resp.headers["x-fleetserve-route"].startswith(f"target={b.url};")
+                assert "branch=session" in resp.headers["x-fleetserve-route"]
+                await resp.read()
+            assert len(a.bodies) == 1 and len(b.bodies) == 2
+            preds = r.router.predictions.by_worker
+            # b's continuation was judged (the script worker reports no cached_tokens: unreported), a's cut stream not
+            assert preds[b.url].unreported == 1 and a.url not in preds
+            await settled(s, r)
+
+    with caplog.at_level(logging.INFO, "fleetserve.router"):
+        run(main)
+    moved = [rec.getMessage() for rec in caplog.records if "migration: stream moved" in rec.getMessage()]
+    assert len(moved) == 1, moved
+    m = re.fullmatch(r"migration: stream moved from (\S+) to (\S+) \(migration 1\); route: (.*)", moved[0])
+    assert m, moved[0]
+    assert m.groups()[:2] == tuple(urls)
+    route = m.group(3)  # cache_aware's route of b: its branch and predicted cached tokens
+    assert re.fullmatch(rf"target={re.escape(urls[1])}; dp_rank=-; branch=(hit|miss|balanced); cached_tokens=\d+; "
+                        rf"prompt_tokens=\d+", route), route

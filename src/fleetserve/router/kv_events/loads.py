@@ -7,7 +7,12 @@ docs/load-and-metrics.md).  Of each ``loads[]`` entry the router keeps
 lengths + the chunked request's rest) per ``dp_rank``.
 
 A snapshot is used only while it is the answer to the latest poll and at most
-:data:`STALE_INTERVALS` intervals old.  Then a target's load in :mod:`.policy` is::
+:data:`STALE_INTERVALS` intervals old.  Its age counts from when the engine took the
+figures: each entry's ``timestamp`` (SGLang's field, ``time.time()`` in the scheduler; ours
+too) when the answer has one (the oldest entry's), else from when the answer arrived.  An
+engine that serves a cached figure (SGLang's DP controller keeps the ranks' last loads) is so
+seen as old as it is.  The clocks of router and engine are taken to agree (NTP); a timestamp
+ahead of the router's clock counts as taken on arrival.  Then a target's load in :mod:`.policy` is::
 
     load_tokens(t) = max(router-side in-flight tokens(t), engine num_total_tokens(t) - ended(t))
 
@@ -16,8 +21,8 @@ replicas, direct clients); the router's covers what it sent since the
 snapshot.  Either one alone undercounts, so the larger one is used (summed
 over ranks for a whole worker; one rank's for a ``--dp-aware`` target).
 ``ended(t)``: the prompt tokens of this router's requests that were in flight
-on ``t`` when the poll was sent and whose answers ended after the snapshot
-arrived.  The snapshot still counts them (a running request holds its prompt's
+on ``t`` when the figures were taken (when the poll was sent, for an answer without
+``timestamp``) and whose answers ended after the snapshot arrived.  The snapshot still counts them (a running request holds its prompt's
 KV, cached prefix included; a waiting one counts its length) and the router
 knows they are gone, so they must not keep pushing traffic away until the
 next poll (:meth:`EngineLoads.ended`).  Their generated tokens are not taken
@@ -38,12 +43,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 log = logging.getLogger("fleetserve.router")
 
 STALE_INTERVALS = 3  # a snapshot older than this many intervals is not used
 RETRY_MISSING_S = 10.0
+
+
+def taken_at(doc) -> float | None:
+    """The oldest entry ``timestamp`` (seconds since the epoch) of a ``/v1/loads`` answer; None without one."""
+    loads = doc.get("loads") if isinstance(doc, dict) else None
+    stamps = [e.get("timestamp") for e in loads if isinstance(e, dict)] if isinstance(loads, list) else []
+    stamps = [t for t in stamps if type(t) in (int, float) and math.isfinite(t) and t > 0]
+    return min(stamps) if stamps else None
 
 
 def ranks_tokens(doc) -> dict[int, int] | None:
@@ -62,11 +76,12 @@ def ranks_tokens(doc) -> dict[int, int] | None:
 
 
 class EngineLoads:
-    """Worker url -> snapshot ``(arrived, {dp_rank: tokens}, asked)`` (monotonic seconds); polled by :meth:`run`."""
+    """Worker url -> snapshot ``(arrived, {dp_rank: tokens}, asked, taken)`` (monotonic seconds; ``taken``:
+    when the engine took the figures, from its ``timestamp``, else ``arrived``); polled by :meth:`run`."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self.snapshots: dict[str, tuple[float, dict[int, int], float]] = {}
+        self.snapshots: dict[str, tuple[float, dict[int, int], float, float]] = {}
         self._ended: dict[str, dict[int | None, int]] = {}  # url -> rank or None -> tokens ended since the snapshot
         self._missing: dict[str, float] = {}  # url -> when it last answered without figures
         self.polls = 0
@@ -78,7 +93,7 @@ class EngineLoads:
         if snap is None:
             return None
         now = time.monotonic() if now is None else now
-        if now - snap[0] > STALE_INTERVALS * self.interval_s:
+        if now - snap[3] > STALE_INTERVALS * self.interval_s:
             return None
         per = snap[1]
         ended = self._ended.get(url)
@@ -92,17 +107,20 @@ class EngineLoads:
             gone = ended.get(rank, 0) if ended else 0
         return max(0, n - gone)
 
-    def put(self, url: str, per_rank: dict[int, int], now: float | None = None, asked: float | None = None) -> None:
-        """A new snapshot: ``per_rank`` as reported, arrived ``now``, asked for at ``asked`` (default: ``now``)."""
+    def put(self, url: str, per_rank: dict[int, int], now: float | None = None, asked: float | None = None,
+            taken: float | None = None) -> None:
+        """A new snapshot: ``per_rank`` as reported, arrived ``now``, asked for at ``asked`` (default: ``now``),
+        taken by the engine at ``taken`` (monotonic; default: none known, the age counts from ``now``)."""
         now = time.monotonic() if now is None else now
-        self.snapshots[url] = (now, per_rank, now if asked is None else asked)
+        self.snapshots[url] = (now, per_rank, now if asked is None else asked, now if taken is None else min(taken, now))
         self._ended.pop(url, None)
 
     def ended(self, url: str, rank: int | None, sent: float, tokens: int, now: float | None = None) -> None:
         """A request of this router on ``url`` (``rank``; None: the worker chose) ended; it was sent at ``sent``.
 
-        When it was in flight before the current snapshot was asked for and ends after that snapshot
-        arrived, the snapshot counts it though it is gone: ``tokens`` (its prompt tokens) are taken
+        When it was in flight before the current snapshot's figures were taken (asked for, when the
+        engine gave no ``timestamp``) and ends after that snapshot arrived, the snapshot counts it
+        though it is gone: ``tokens`` (its prompt tokens) are taken
         off the engine's figure until the next snapshot.  Otherwise (sent later, or ended while
         the poll was out) the snapshot may not count it, and nothing is taken off.
         """
@@ -110,7 +128,8 @@ class EngineLoads:
         if snap is None or tokens <= 0:
             return
         now = time.monotonic() if now is None else now
-        if sent < snap[2] and now >= snap[0]:
+        cut = snap[2] if snap[3] == snap[0] else snap[3]  # taken, when the engine said; else asked
+        if sent < cut and now >= snap[0]:
             per = self._ended.setdefault(url, {})
             per[rank] = per.get(rank, 0) + tokens
 
@@ -133,13 +152,14 @@ class EngineLoads:
 
         self.polls += 1
         asked = time.monotonic()
-        per = None
+        per = stamp = None
         try:
             timeout = aiohttp.ClientTimeout(total=max(self.interval_s, 0.5))
             async with router.session.get(url + "/v1/loads?include=core", timeout=timeout) as r:
                 if r.status == 200:
                     try:
-                        per = ranks_tokens(await r.json(content_type=None))
+                        doc = await r.json(content_type=None)
+                        per, stamp = ranks_tokens(doc), taken_at(doc)
                     except ValueError:  # not JSON
                         per = None
         except Exception as e:  # unreachable or slow: no figure now; the router-side count is in charge
@@ -155,7 +175,9 @@ class EngineLoads:
             self._missing[url] = time.monotonic()
             return
         self._missing.pop(url, None)
-        self.put(url, per, asked=asked)
+        now = time.monotonic()
+        taken = None if stamp is None else now - max(0.0, time.time() - stamp)
+        self.put(url, per, now, asked=asked, taken=taken)
 
     async def run(self, router) -> None:
         while True:

@@ -9,6 +9,10 @@
 * ``decisions_total{branch}``: decisions by the chosen target's trust.
 * ``load_tokens{target}``: in-flight tokens per target (``url`` or ``url#rank``).
 * ``engine_load_tokens{worker,dp_rank}``: the engines' fresh ``/v1/loads`` ``num_total_tokens``.
+* ``tokenizer_mismatch{worker}``: 1 while the worker counts other prompt tokens than the
+  router's tokenizer (routed ``fallback``, reason ``tokenizer``; :mod:`.tokenizer_check`).
+* ``prompt_token_checks_total{worker,result}``: answers whose prompt count ``agreed`` /
+  ``disagreed`` with the router's.
 """
 
 from __future__ import annotations
@@ -50,6 +54,17 @@ def families(policy):
     for (url, rank), n in list(policy.load_tokens.items()):
         load.add_metric([url if rank is None else f"{url}#{rank}"], n)
     yield load
+    tc = policy.tokenizer_check
+    mism = GaugeMetricFamily(_P + "tokenizer_mismatch", "1 while the worker's prompt token counts disagree with "
+                             "the router's tokenizer (routed by the approximate tree)", labels=["worker"])
+    checks = CounterMetricFamily(_P + "prompt_token_checks", "Answers whose prompt token count agreed or "
+                                 "disagreed with the router's", labels=["worker", "result"])
+    for url in tc.urls():
+        mism.add_metric([url], 1 if tc.mismatched(url) else 0)
+        checks.add_metric([url, "agreed"], tc.agreed.get(url, 0))
+        checks.add_metric([url, "disagreed"], tc.disagreed.get(url, 0))
+    yield mism
+    yield checks
     el = policy.engine_loads
     if el is not None:
         eng = GaugeMetricFamily(_P + "engine_load_tokens", "Fresh /v1/loads num_total_tokens per worker and DP rank",

@@ -9,7 +9,11 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   engines always compute the last prompt token), by the trust of its
   KV-event stream (:mod:`.subscriber`): ``exact`` -> the event index (plus
   speculative entries); ``degraded`` -> the larger of the index and the
-  approximate tree; ``fallback`` -> the approximate tree.  Without
+  approximate tree; ``fallback`` -> the approximate tree.  Two things force
+  ``fallback`` whatever the stream's trust, with a reason in the route header:
+  ``reason=tokenizer``, the worker counts other prompt tokens than the router
+  does (:mod:`.tokenizer_check`), and ``reason=text``, the request has no token
+  ids (no ``--tokenizer-path`` and a text prompt), so no event can match it.  Without
   ``--dp-aware`` a worker's value is the best of its ranks (the worker's own
   DP balancer picks the rank).
 * ``load_tokens(t)``: this router's in-flight tokens on ``t``: each request
@@ -32,7 +36,8 @@ stream fails is routed as ``cache_aware`` would.  A routed request's full
 blocks count as cached on the chosen worker for ``--kv-speculative-ttl-secs``
 (speculative entries), so a burst of one new prefix follows its first request.
 Without token ids (no ``--tokenizer-path`` and a text prompt) the request is
-routed on its text in the tree, at about 4 characters per token.
+routed on its text in the tree, at about 4 characters per token (``branch=fallback
+reason=text``).
 """
 
 from __future__ import annotations
@@ -49,11 +54,13 @@ from ..routing_text import ids_text
 from .index import BlockIndex
 from .subscriber import DEGRADED, EXACT, FALLBACK
 from .tokenize import RouterTokenizer, request_ids_without_tokenizer
+from .tokenizer_check import TOKENIZER, TokenizerCheck
 
 log = logging.getLogger("fleetserve.router")
 
 SESSION = "session"  # the branch of a request --sticky-sessions sent (route_header.py)
 _NONE: dict = {}  # no index match (never written)
+TEXT = "text"  # the fallback reason of a request without token ids
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
 
@@ -62,7 +69,7 @@ class RouteKey:
     """One request's routing input and, after :meth:`KvAwarePolicy.select`, its decision."""
 
     __slots__ = ("text", "tokens", "prompt_tokens", "decode_tokens", "target", "rank", "branch", "cached",
-                 "charged", "_tree_text")
+                 "charged", "reason", "tokenized", "_tree_text")
 
     def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS):
         self.text = text
@@ -74,6 +81,8 @@ class RouteKey:
         self.branch = None  # exact / degraded / fallback, or session (pin)
         self.cached = 0  # predicted cached prompt tokens on the target
         self.charged = None  # (load key, tokens added to the load, monotonic time of the decision)
+        self.reason = None  # why the branch is fallback whatever the stream's trust (TOKENIZER, TEXT), or None
+        self.tokenized = False  # the ids came from the router's tokenizer (not the request's own ids)
         self._tree_text = None
 
     def tree_text(self) -> str:
@@ -82,8 +91,9 @@ class RouteKey:
         return self._tree_text
 
     def route_header(self) -> str:
-        """The ``x-fleetserve-route`` value: ``target=URL; dp_rank=R|-; branch=B; cached_tokens=N; prompt_tokens=M``."""
-        return format_route(self.target[0], self.rank, self.branch, self.cached, self.prompt_tokens)
+        """The ``x-fleetserve-route`` value: ``target=URL; dp_rank=R|-; branch=B; cached_tokens=N; prompt_tokens=M``
+        (then ``; reason=R`` when a reason forced ``fallback``)."""
+        return format_route(self.target[0], self.rank, self.branch, self.cached, self.prompt_tokens, self.reason)
 
 
 def with_dp_rank(body: bytes, rank: int) -> bytes:
@@ -127,11 +137,13 @@ class KvAwarePolicy:
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
         self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
+        self.tokenizer_check = TokenizerCheck()
 
     # ------------------------------------------------------------ per request
     async def prepare(self, path: str, body: dict, text: str) -> RouteKey:
         """Token ids of the request (inline when short, else on a worker thread: tokenize.py), as a RouteKey."""
         tokens = request_ids_without_tokenizer(path, body)
+        tokenized = False
         if tokens is None and self.tokenizer is not None:
             try:
                 if self.tokenizer.inline(path, body):  # short enough to cost less than a thread hand-off
@@ -139,18 +151,31 @@ class KvAwarePolicy:
                 else:
                     tokens = await asyncio.get_running_loop().run_in_executor(
                         self._pool, self.tokenizer.request_ids, path, body)
+                tokenized = tokens is not None
             except Exception as e:  # a tokenizer failure must not fail the request: route on the text
                 log.warning("kv_aware: tokenization failed (%s: %s); routing on the text", type(e).__name__, e)
                 tokens = None
-        return RouteKey(text, tokens, decode_budget(body))
+        key = RouteKey(text, tokens, decode_budget(body))
+        key.tokenized = tokenized
+        return key
 
     def ranks(self, url: str) -> list[int]:
         subs = self.subs.get(url)
         return sorted(subs) if subs else [0]
 
     def trust(self, url: str, rank: int) -> str:
+        """The trust the policy gives the target: the stream's, or ``fallback`` for a worker whose
+        tokenizer differs from the router's (:mod:`.tokenizer_check`)."""
+        if self.tokenizer_check.mismatched(url):
+            return FALLBACK
         sub = self.subs.get(url, {}).get(rank)
         return sub.state if sub is not None else FALLBACK
+
+    def answered(self, key, url: str, data: bytes | None) -> None:
+        """A 200 answer from ``url`` (``data``: its body, or a stream's last chunks) to ``key``:
+        its prompt count is compared with the router's when the router tokenized the prompt."""
+        if isinstance(key, RouteKey) and key.tokenized and key.tokens:
+            self.tokenizer_check.observe(url, len(key.tokens), data)
 
     def _choose(self, workers: list, key):
         """The worker with the lowest cost among ``workers``; the decision is written into ``key``."""
@@ -181,12 +206,14 @@ class KvAwarePolicy:
         now = time.monotonic() if engine_loads is not None else 0.0
         load_tokens, inflight = self.load_tokens, self.inflight
         prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
+        check = self.tokenizer_check
         for order, (w, rank, ranks) in enumerate(targets):
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
             tree_tokens = max(0, per_tenant.get(tenant, 0) - tree_off) * tree_unit
+            reason = TEXT if not tokens else TOKENIZER if check.mismatched(url) else None
             wsubs = subs.get(url) if subs else None
-            if not wsubs:  # no KV-event stream: the approximate tree
+            if reason is not None or not wsubs:  # no usable KV-event stream: the approximate tree
                 cached, branch = tree_tokens, FALLBACK
             else:
                 cached, branch = -1, FALLBACK
@@ -211,9 +238,10 @@ class KvAwarePolicy:
             reqs = inflight.get(lk, 0) if rank is not None else w.load
             score = (cost, reqs, order)
             if best is None or score < best[0]:
-                best = (score, w, rank, branch, cached)
-        _, w, rank, branch, cached = best
+                best = (score, w, rank, branch, cached, reason)
+        _, w, rank, branch, cached, reason = best
         key.target, key.rank, key.branch, key.cached = (w.url, rank), rank, branch, cached
+        key.reason = reason
         self._record(w.url, rank, key)
         return w
 
@@ -237,7 +265,7 @@ class KvAwarePolicy:
         if not isinstance(key, RouteKey):
             return
         self._choose([worker], key)
-        key.branch = SESSION
+        key.branch, key.reason = SESSION, None
 
     def decorate(self, key, body: bytes, headers: bytes):
         """``(body, request header lines, response headers)`` for the attempt ``key`` was routed to.
@@ -295,6 +323,7 @@ class KvAwarePolicy:
         for tenant in [t for t in self.tree.tenant_sizes() if t == url or t.startswith(prefix)]:
             self.tree.remove_tenant(tenant)
         self.index.drop_worker(url)
+        self.tokenizer_check.forget(url)
 
     def close(self) -> None:
         if self._pool is not None:
