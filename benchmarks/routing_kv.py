@@ -27,7 +27,17 @@ have had on the same request stream, in the order the requests were sent:
 request ``i`` hits the longest run of whole pages of ``prompt_i[:-1]`` that some
 earlier prompt starts with. No routing can beat it; concurrency can keep a real
 fleet below it (a prompt that arrives while the first of its group is still in
-prefill finds nothing).
+prefill finds nothing). With direct traffic a second, tighter bound
+(:func:`split_cache_bound`): a direct request hits only prompts that were routed
+or went straight to its own worker.
+
+Each run writes ``watch-<router>.log`` to ``--log-dir`` (workers' running /
+waiting requests, free KV, the routers' in-flight gauge every 10 s, ``STALLED``
+once nothing was admitted for a minute), and every request has a time limit
+(``--request-timeout``), so a run that stops making progress ends with failed
+requests and a log that says whether they sat in the workers or in the router.
+Each row also reports how far the simulated steps ran late on this CPU
+(``sim late``) and the load average.
 """
 
 from __future__ import annotations
@@ -287,8 +297,6 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
         raise RuntimeError(f"router ports {ports} are taken")
     env = None
     if kind == "base":
-        import os
-
         env = dict(os.environ, PYTHONPATH=str(Path(a.baseline_src).resolve()))
     def own(p: int) -> list[str]:  # sglang-router replicas: each its own Prometheus port (default 29000)
         return [*flags, "--prometheus-port", str(p + 2000)] if kind == "sglang" else flags
