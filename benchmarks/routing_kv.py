@@ -94,8 +94,8 @@ def infinite_cache_bound(prompts: list[list[int]]) -> tuple[int, int]:
     return cached, total
 
 
-def split_cache_bound(prompts: list[list[int]], direct_to: list[int | None]) -> tuple[int, int]:
-    """``(cached, prompt tokens)`` at most on ``prompts`` in order when some go straight to a fixed worker.
+def split_cache_hits(prompts: list[list[int]], direct_to: list[int | None]) -> list[int]:
+    """Per request, the most prompt tokens it can hit when some requests go straight to a fixed worker.
 
     ``direct_to[i]``: the worker request ``i`` was sent to without the router, or None (routed).
     Every worker has an infinite page-``PAGE`` radix cache. Whatever a router does, worker ``w``
@@ -103,15 +103,14 @@ def split_cache_bound(prompts: list[list[int]], direct_to: list[int | None]) -> 
     ones. So a routed request hits at most the longest page run any earlier prompt starts with (the
     router could have sent it where that prompt went), and a direct request to ``w`` at most the
     longest run of an earlier routed prompt or an earlier direct prompt *to w*. Each request takes
-    its own best case (the cases need not be compatible), so the sum bounds every router; it is
-    :func:`infinite_cache_bound` when nothing goes direct, and never above it.
+    its own best case (the cases need not be compatible, and a router would have to know where the
+    next direct request goes), so the sum bounds every router, even one that knows the future.
     """
     anywhere: set[int] = set()  # pages of every earlier prompt
     routed: set[int] = set()  # pages of earlier routed prompts
     direct: dict[int, set[int]] = {}  # worker -> pages of earlier direct prompts to it
-    cached = total = 0
+    out = []
     for ids, w in zip(prompts, direct_to):
-        total += len(ids)
         n = 0
         mine = direct.get(w, set()) if w is not None else set()
         for k in page_keys(ids[:-1]):
@@ -119,11 +118,17 @@ def split_cache_bound(prompts: list[list[int]], direct_to: list[int | None]) -> 
                 n += 1
             else:
                 break
-        cached += n * PAGE
+        out.append(n * PAGE)
         keys = page_keys(ids)
         anywhere.update(keys)
         (routed if w is None else direct.setdefault(w, set())).update(keys)
-    return cached, total
+    return out
+
+
+def split_cache_bound(prompts: list[list[int]], direct_to: list[int | None]) -> tuple[int, int]:
+    """``(cached, prompt tokens)``: :func:`split_cache_hits` summed. It is :func:`infinite_cache_bound`
+    when nothing goes direct, and never above it."""
+    return sum(split_cache_hits(prompts, direct_to)), sum(len(p) for p in prompts)
 
 
 # ------------------------------------------------------------------ metrics
