@@ -27,7 +27,17 @@ have had on the same request stream, in the order the requests were sent:
 request ``i`` hits the longest run of whole pages of ``prompt_i[:-1]`` that some
 earlier prompt starts with. No routing can beat it; concurrency can keep a real
 fleet below it (a prompt that arrives while the first of its group is still in
-prefill finds nothing).
+prefill finds nothing). With direct traffic a second, tighter bound
+(:func:`split_cache_bound`): a direct request hits only prompts that were routed
+or went straight to its own worker.
+
+Each run writes ``watch-<router>.log`` to ``--log-dir`` (workers' running /
+waiting requests, free KV, the routers' in-flight gauge every 10 s, ``STALLED``
+once nothing was admitted for a minute), and every request has a time limit
+(``--request-timeout``), so a run that stops making progress ends with failed
+requests and a log that says whether they sat in the workers or in the router.
+Each row also reports how far the simulated steps ran late on this CPU
+(``sim late``) and the load average.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import shlex
@@ -81,6 +92,43 @@ def infinite_cache_bound(prompts: list[list[int]]) -> tuple[int, int]:
         cached += n * PAGE
         seen.update(page_keys(ids))
     return cached, total
+
+
+def split_cache_hits(prompts: list[list[int]], direct_to: list[int | None]) -> list[int]:
+    """Per request, the most prompt tokens it can hit when some requests go straight to a fixed worker.
+
+    ``direct_to[i]``: the worker request ``i`` was sent to without the router, or None (routed).
+    Every worker has an infinite page-``PAGE`` radix cache. Whatever a router does, worker ``w``
+    only ever holds prompts that were sent to ``w``: the direct ones to ``w`` and some of the routed
+    ones. So a routed request hits at most the longest page run any earlier prompt starts with (the
+    router could have sent it where that prompt went), and a direct request to ``w`` at most the
+    longest run of an earlier routed prompt or an earlier direct prompt *to w*. Each request takes
+    its own best case (the cases need not be compatible, and a router would have to know where the
+    next direct request goes), so the sum bounds every router, even one that knows the future.
+    """
+    anywhere: set[int] = set()  # pages of every earlier prompt
+    routed: set[int] = set()  # pages of earlier routed prompts
+    direct: dict[int, set[int]] = {}  # worker -> pages of earlier direct prompts to it
+    out = []
+    for ids, w in zip(prompts, direct_to):
+        n = 0
+        mine = direct.get(w, set()) if w is not None else set()
+        for k in page_keys(ids[:-1]):
+            if (k in anywhere) if w is None else (k in routed or k in mine):
+                n += 1
+            else:
+                break
+        out.append(n * PAGE)
+        keys = page_keys(ids)
+        anywhere.update(keys)
+        (routed if w is None else direct.setdefault(w, set())).update(keys)
+    return out
+
+
+def split_cache_bound(prompts: list[list[int]], direct_to: list[int | None]) -> tuple[int, int]:
+    """``(cached, prompt tokens)``: :func:`split_cache_hits` summed. It is :func:`infinite_cache_bound`
+    when nothing goes direct, and never above it."""
+    return sum(split_cache_hits(prompts, direct_to)), sum(len(p) for p in prompts)
 
 
 # ------------------------------------------------------------------ metrics
@@ -161,6 +209,83 @@ SCENARIOS = {  # name: (workload, replicas, foreign share?, dp size)
 }
 
 
+def worker_loads(url: str) -> dict:
+    """A sim-worker's ``/get_server_info`` load and request count, or ``{}`` when it does not answer."""
+    try:
+        with urllib.request.urlopen(url + "/get_server_info", timeout=5) as r:
+            d = json.loads(r.read())
+    except (OSError, ValueError):
+        return {}
+    ld = d.get("load", {})
+    return {"run": ld.get("num_running_reqs"), "wait": ld.get("num_waiting_reqs"),
+            "free_kv": ld.get("free_kv_tokens"), "done": d.get("stats", {}).get("num_requests")}
+
+
+def sim_clock(urls: list[str]) -> tuple[float, float]:
+    """``(busy, late)`` seconds summed over the sim-workers' engines (``stats.busy_time_s``, ``stats.late_s``)."""
+    busy = late = 0.0
+    for u in urls:
+        try:
+            with urllib.request.urlopen(u + "/get_server_info", timeout=10) as r:
+                st = json.loads(r.read()).get("stats", {})
+        except (OSError, ValueError):
+            continue
+        busy += st.get("busy_time_s", 0.0)
+        late += st.get("late_s", 0.0)
+    return busy, late
+
+
+def router_inflight(url: str) -> float | None:
+    """Sum of the router's ``fleetserve_router_inflight_requests`` gauge, or None (no answer, sglang-router)."""
+    total, seen = 0.0, False
+    for line in scrape(url).splitlines():
+        if line.startswith("fleetserve_router_inflight_requests"):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return total if seen else None
+
+
+class Watch:
+    """A thread writing the workers' and routers' state to ``log`` every ``every`` seconds during a run.
+
+    When a run stops making progress (no worker admits a request for ``stall_s``) it says so in the log:
+    the line shows whether the requests sit in the workers (running / waiting) or in the router
+    (in flight at the router, nothing at the workers).
+    """
+
+    def __init__(self, log: Path, urls: list[str], rurls: list[str], every: float = 10.0, stall_s: float = 60.0):
+        import threading
+
+        self.log, self.urls, self.rurls, self.every, self.stall_s = log, urls, rurls, every, stall_s
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self.stalls = 0
+
+    def __enter__(self) -> "Watch":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join(timeout=30)
+
+    def _run(self) -> None:
+        t0, last_done, last_change = time.monotonic(), None, time.monotonic()
+        with open(self.log, "a") as f:
+            while not self._stop.wait(self.every):
+                loads = [worker_loads(u) for u in self.urls]
+                inflight = [router_inflight(u) for u in self.rurls]
+                done = sum(x.get("done") or 0 for x in loads)
+                now = time.monotonic()
+                if done != last_done:
+                    last_done, last_change = done, now
+                stalled = now - last_change > self.stall_s
+                self.stalls += stalled
+                f.write(f"{now - t0:7.1f}s admitted {done} workers {loads} router in flight {inflight}"
+                        + ("  STALLED" if stalled else "") + "\n")
+                f.flush()
+
+
 def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplicas: int, foreign: float,
                reqs, bargs, a, rx, logdir: Path, tok) -> dict:
     from routing_experiment import flush, port_free, router_cmd, start, stop, wait_healthy
@@ -177,8 +302,6 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
         raise RuntimeError(f"router ports {ports} are taken")
     env = None
     if kind == "base":
-        import os
-
         env = dict(os.environ, PYTHONPATH=str(Path(a.baseline_src).resolve()))
     def own(p: int) -> list[str]:  # sglang-router replicas: each its own Prometheus port (default 29000)
         return [*flags, "--prometheus-port", str(p + 2000)] if kind == "sglang" else flags
@@ -206,11 +329,15 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
                 dest.append(urls[pick.randrange(len(urls))])
             else:
                 dest.append(rurls[pick.randrange(nreplicas)])
+        clock0 = sim_clock(urls)
         t0 = time.monotonic()
-        results, duration = asyncio.run(run_requests(
-            rurls[0], reqs, api="chat", model=None, request_rate=bargs.request_rate, seed=bargs.seed,
-            time_scale=bargs.time_scale, progress=False, url_for=lambda i, _r: dest[i]))
+        with Watch(logdir / f"watch-{label}.log", urls, rurls) as watch:
+            results, duration = asyncio.run(run_requests(
+                rurls[0], reqs, api="chat", model=None, request_rate=bargs.request_rate, seed=bargs.seed,
+                time_scale=bargs.time_scale, progress=False, url_for=lambda i, _r: dest[i],
+                timeout_s=a.request_timeout * bargs.time_scale))
         wall = time.monotonic() - t0
+        clock1 = sim_clock(urls)
         texts = [scrape(u) for u in rurls]
         if any(p.poll() is not None for p in procs):
             raise RuntimeError(f"router {label} died during the run")
@@ -229,6 +356,11 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
             b = dict(p.split("=", 1) for p in r.route.split("; ")).get("branch", "?")
             branches[b] = branches.get(b, 0) + 1
     s["branches"] = branches
+    s["stalled_polls"] = watch.stalls
+    s["loadavg_end"] = list(os.getloadavg())
+    busy = clock1[0] - clock0[0]
+    s["sim_late_share"] = (clock1[1] - clock0[1]) / busy if busy > 0 else 0.0
+    s["errors"] = sorted({(r.error or "")[:120] for r in results if not r.success})
     s["direct_requests"] = sum(1 for d in dest if d in urls)
     s["requests"] = [{"rid": r.rid, "start": round(r.start, 4), "worker": r.worker, "ttft": round(r.ttft, 4),
                       "prompt": r.prompt_tokens, "cached": r.cached_tokens, "route": r.route,
@@ -239,21 +371,33 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
     prompts = [tok.request_ids("/v1/chat/completions", {"messages": by_rid[r.rid].messages}) for r in order]
     c, t = infinite_cache_bound(prompts)
     s["bound_hit_rate"] = c / t if t else 0.0
+    idx = {q.rid: i for i, q in enumerate(reqs)}
+    direct_to = [urls.index(dest[idx[r.rid]]) if dest[idx[r.rid]] in urls else None for r in order]
+    c2, t2 = split_cache_bound(prompts, direct_to)
+    s["split_bound_hit_rate"] = c2 / t2 if t2 else 0.0
     s["bound_token_mismatch"] = sum(1 for r, p in zip(order, prompts) if len(p) != r.prompt_tokens)
     pred = s["prediction"]
     mae = f"{pred['abs_sum'] / pred['count']:.0f}" if pred and pred["count"] else "-"
-    print(f"  {label:<30} hit {s['cache_hit_rate']:6.1%} (bound {s['bound_hit_rate']:.1%})  "
+    print(f"  {label:<30} hit {s['cache_hit_rate']:6.1%} (bound {s['bound_hit_rate']:.1%}, "
+          f"own-worker bound {s['split_bound_hit_rate']:.1%})  "
           f"{s['request_throughput']:7.2f} req/s  TTFT p50 {s['ttft_s']['p50'] * 1e3:7.1f} p90 "
           f"{s['ttft_p90_s'] * 1e3:7.1f} p99 {s['ttft_s']['p99'] * 1e3:7.1f} ms  MAE {mae}  "
-          f"failed {s['failed']}  branches {branches}  (wall {wall:.0f} s)", flush=True)
+          f"failed {s['failed']}  branches {branches}  sim late {s['sim_late_share']:.1%}  (wall {wall:.0f} s)",
+          flush=True)
+    if s["errors"] or watch.stalls:
+        print(f"    errors {s['errors'][:3]}  stalled polls {watch.stalls} (see {logdir}/watch-{label}.log)",
+              flush=True)
     return s
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], direct: bool = False) -> str:
+    """The markdown table of one scenario; ``direct``: add the own-worker bound column (direct traffic)."""
     ref = next((r for r in rows if r["label"] == "cache_aware (ours)"), rows[0])
-    out = ["| router | hit rate | bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | p90 vs cache_aware (ours) "
-           "| out tok/s | req/s | pred. MAE (tokens) | exact guesses | pred. bias | failed |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    own_h, own_s = (" own-worker bound |", "---|") if direct else ("", "")
+    out = ["| router | hit rate | bound |" + own_h + " TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
+           "p90 vs cache_aware (ours) | out tok/s | req/s | pred. MAE (tokens) | exact guesses | pred. bias | failed "
+           "| sim late | load avg |",
+           "|---|---|---|" + own_s + "---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r.get("prediction")
         if p and p["count"]:
@@ -262,10 +406,13 @@ def table(rows: list[dict]) -> str:
         else:
             mae = ex = bias = "-"
         ratio = r["ttft_p90_s"] / ref["ttft_p90_s"] if ref["ttft_p90_s"] else float("nan")
-        out.append(f"| {r['label']} | {r['cache_hit_rate']:.1%} | {r['bound_hit_rate']:.1%} | "
+        own = f"{r['split_bound_hit_rate']:.1%} | " if direct else ""
+        late = f"{r['sim_late_share']:.0%}" if "sim_late_share" in r else "-"
+        load = f"{r['loadavg_end'][0]:.0f}" if "loadavg_end" in r else "-"
+        out.append(f"| {r['label']} | {r['cache_hit_rate']:.1%} | {r['bound_hit_rate']:.1%} | {own}"
                    f"{r['ttft_s']['p50'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | {r['ttft_s']['p99'] * 1e3:.0f} | "
                    f"{ratio:.2f}x | {r['output_throughput']:.0f} | {r['request_throughput']:.2f} | {mae} | {ex} | "
-                   f"{bias} | {r['failed']} |")
+                   f"{bias} | {r['failed']} | {late} | {load} |")
     return "\n".join(out)
 
 
@@ -312,7 +459,8 @@ def kv_part(a: argparse.Namespace) -> None:
             all_rows[name] = {"workload": wname, "workers": n, "dp": dp, "replicas": nrep, "direct_share": share,
                               "rate": rate, "requests": len(reqs), "rows": rows}
             for label, kind, flags in routers(dp > 1, tdir, have_peer, bool(a.baseline_src), tuple(a.kv_variant)):
-                if label in a.skip or (label == "round_robin" and not name.startswith("pressure")):
+                if label in a.skip or (label == "round_robin" and not name.startswith("pressure")
+                                       and not a.with_round_robin):
                     continue  # round robin: the pressure tables only (the reference; saves time)
                 if kind == "base" and name == "dp":
                     continue  # the DP table compares --dp-aware on and off, both on this code
@@ -339,6 +487,12 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
+def load_range(all_rows: dict) -> str:
+    """The 1-minute load averages at the end of the rows, ``"lo-hi"`` (``"not recorded"`` for older rows)."""
+    v = [r["loadavg_end"][0] for t in all_rows.values() for r in t["rows"] if "loadavg_end" in r]
+    return f"{min(v):.0f}-{max(v):.0f}" if v else "not recorded"
+
+
 def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
     if a.no_doc:
         return
@@ -359,15 +513,24 @@ def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
         "**hit rate**: cached / prompt tokens as the workers report them, over all requests (direct ones too). "
         "**bound**: the hit rate one infinite radix cache (page 16) would have had on the same requests in "
         "the order they were sent (each prompt hits the longest run of whole pages of `prompt[:-1]` that an "
-        "earlier prompt starts with); no router can beat it. **pred. MAE**: the router's "
+        "earlier prompt starts with); no router can beat it. **own-worker bound** (tables with direct "
+        "traffic): the same, except that a direct request hits only prompts that were routed (a router could "
+        "have put them on its worker) or sent straight to *its own* worker earlier; a tighter bound that "
+        "still holds for every router (`split_cache_bound`). Neither bound knows the KV pool is finite. "
+        "**sim late**: wall time the workers' steps ran past their modelled end, as a share of their modelled "
+        "busy time (the 2 CPU cores could not keep up; a few % is harmless, tens of % inflate TTFT for every "
+        "row alike). **load avg**: the machine's 1-minute load average when the row ended. "
+        "multi_turn rates are those of the Poisson clock; a turn is sent no earlier than the previous answer "
+        "of its conversation, so the rate reached (req/s column) is lower under load. **pred. MAE**: the router's "
         "`fleetserve_router_cache_prediction_abs_error_tokens` mean (predicted vs. the worker's reported "
         "cached tokens per answer; both replicas summed), **exact guesses** its `le=\"0\"` share, **bias** "
         "(predicted - reported) / reported; sglang-router has no such metric. "
         + ("" if have_peer else "sglang-router was not installed: its column is missing. ")
         + f"The machine ({cpu_model()}, 2 cores) was shared with other jobs while this ran (load average "
-          "20-50), so absolute figures are noisy; compare rows within a table. "
+          f"{load_range(all_rows)}), so absolute figures are noisy; compare rows within a table. "
         + ("Rows `(before)` run the router from `--baseline-src`, the code before a change. " if a.baseline_src
-           else "") + "Round robin runs in the KV-pressure tables only. " + a.note, ""]
+           else "") + ("" if a.with_round_robin else "Round robin runs in the KV-pressure tables only. ")
+        + a.note, ""]
     titles = {"pressure-shared_prefix": "KV pressure, shared_prefix",
               "pressure-multi_turn": "KV pressure, multi_turn",
               "replicas": "two router replicas, traffic split at random",
@@ -375,7 +538,8 @@ def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
               "dp": "DP attention, 2 ranks per worker (separate caches)"}
     for name, t in all_rows.items():
         body += [f"### {titles.get(name, name)} ({t['workers']} workers x {t['dp']} rank(s), {t['workload']}, "
-                 f"{t['requests']} requests at {t['rate']:g} req/s)", "", table(t["rows"]), ""]
+                 f"{t['requests']} requests at {t['rate']:g} req/s)", "",
+                 table(t["rows"], direct=bool(t.get("direct_share"))), ""]
     cmd = "python benchmarks/routing_experiment.py kv " + " ".join(shlex.quote(x) for x in a.argv)
     write_section(a.section, a.title, cmd.strip(), "\n".join(body))
 
@@ -398,8 +562,14 @@ def add_parser(sub) -> None:
     k.add_argument("--output-len", type=int, default=128)
     k.add_argument("--foreign-share", type=float, default=0.3)
     k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--request-timeout", type=float, default=120.0,
+                   help="model seconds a request may take end to end before the client gives up (it counts "
+                        "as failed): a stalled run ends instead of hanging; the watch-<router>.log files in "
+                        "--log-dir show where requests sat")
     k.add_argument("--skip", nargs="*", default=[], help="router labels to leave out")
     k.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
+    k.add_argument("--with-round-robin", action="store_true",
+                   help="round robin in every table (default: the KV-pressure tables only)")
     k.add_argument("--kv-variant", action="append", default=[],
                    help="extra kv_aware row with these router flags (repeatable), e.g. '--kv-load-weight 0.1'")
     k.add_argument("--baseline-src", default="",

@@ -9,7 +9,10 @@ reuse and KV capacity use the engine's own
 ``max_total_tokens`` slots, so hit counts and LRU eviction are the engine's.
 Only the *duration* of a step comes from :class:`TimingModel`; the loop sleeps
 until ``step start + modelled duration``, so the Python work of the step is
-hidden inside the modelled time as long as the CPU keeps up.
+hidden inside the modelled time as long as the CPU keeps up. ``stats["late_s"]``
+sums the wall time steps ran past their modelled end (CPU starved, or Python
+work longer than the step): a run is faithful while it is a small share of
+``stats["busy_time_s"]``.
 
 Cache semantics per request (those of the engine's scheduler,
 ``fleetserve.engine.scheduler``):
@@ -107,7 +110,7 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.stats = {"num_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
-                      "num_prefill_steps": 0, "num_decode_steps": 0, "busy_time_s": 0.0}
+                      "num_prefill_steps": 0, "num_decode_steps": 0, "busy_time_s": 0.0, "late_s": 0.0}
         self.gen_meter = ThroughputMeter()
         self.prefill_meter = ThroughputMeter()  # uncached prompt tokens, for /v1/loads prefill_throughput
         self.idle = False  # True while the loop waits for work (nothing queued, running or in a prefill step)
@@ -229,6 +232,9 @@ class SimEngine:
                 await asyncio.sleep(0.001)
                 continue
             self.stats["busy_time_s"] += dur
+            # wall time past the modelled end of the step (the loop or the CPU could not keep up): the
+            # simulation is faithful only while this stays a small share of busy_time_s
+            self.stats["late_s"] += max(0.0, loop.time() - (t0 + dur))
             self.gen_meter.record(self.stats["generation_tokens"])
             self.prefill_meter.record(self.stats["prompt_tokens"] - self.stats["cached_tokens"])
             self._end_step()

@@ -1,0 +1,84 @@
+"""benchmarks/routing_kv.py: the hit-rate bounds (infinite cache, and own worker for direct traffic)."""
+
+import importlib.util
+import os
+import random
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(HERE, "..", "..", "..", "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def rk():
+    sys.path.insert(0, BENCH)  # routing_kv imports doc_section from there
+    try:
+        spec = importlib.util.spec_from_file_location("routing_kv_bench", os.path.join(BENCH, "routing_kv.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(BENCH)
+    return mod
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+SYS = seq(1000, 64)  # four pages of 16
+
+
+def test_infinite_bound_counts_whole_pages_of_prompt_minus_last(rk):
+    a = SYS + seq(1, 20)
+    b = SYS + seq(1, 20) + seq(50, 5)  # a's 84 tokens are a prefix: 5 whole pages of a's prompt
+    c, t = rk.infinite_cache_bound([a, b])
+    assert t == len(a) + len(b) == 173
+    assert c == 5 * 16
+
+
+def test_no_direct_traffic_is_the_infinite_bound(rk):
+    rng = random.Random(3)
+    prompts = [SYS[:rng.choice([16, 32, 64])] + seq(rng.randrange(3) * 100, rng.randrange(1, 60)) for _ in range(40)]
+    assert rk.split_cache_bound(prompts, [None] * len(prompts)) == rk.infinite_cache_bound(prompts)
+
+
+def test_direct_request_sees_only_its_own_workers_direct_prompts(rk):
+    p = SYS + seq(1, 40)
+    # the same prompt twice, straight to two different workers: the second finds nothing
+    assert rk.split_cache_bound([p, p], [0, 1]) == (0, 2 * len(p))
+    # to the same worker twice: it hits (everything but the last token, whole pages: 6 pages)
+    assert rk.split_cache_bound([p, p], [1, 1]) == (6 * 16, 2 * len(p))
+    # the infinite bound lets the second hit in both cases
+    assert rk.infinite_cache_bound([p, p]) == (6 * 16, 2 * len(p))
+
+
+def test_routed_prompts_are_available_to_every_worker(rk):
+    p = SYS + seq(1, 40)
+    # routed first: a router could have put it on worker 2, so a direct request there may hit
+    assert rk.split_cache_bound([p, p], [None, 2])[0] == 6 * 16
+    # direct first, then routed: the router can send it to that worker
+    assert rk.split_cache_bound([p, p], [3, None])[0] == 6 * 16
+
+
+def test_hit_stops_at_the_first_page_its_worker_cannot_hold(rk):
+    routed = SYS  # 4 pages any worker may hold
+    other = SYS + seq(1, 48)  # 7 pages, direct to worker 0
+    mine = SYS + seq(1, 48) + seq(90, 9)  # direct to worker 1: only the routed 4 pages count
+    c, _ = rk.split_cache_bound([routed, other, mine], [None, 0, 1])
+    assert c == 0 + 4 * 16 + 4 * 16  # routed: nothing before it; other: the routed 4 pages; mine: the same 4
+    c_inf, _ = rk.infinite_cache_bound([routed, other, mine])
+    assert c_inf == 0 + 4 * 16 + 7 * 16  # mine may hit all of other's 7 pages there
+
+
+def test_split_bound_never_above_the_infinite_one(rk):
+    rng = random.Random(0)
+    for _ in range(20):
+        prompts, dest = [], []
+        for _ in range(30):
+            prompts.append(SYS[:16 * rng.randrange(5)] + seq(rng.randrange(4) * 100, rng.randrange(1, 70)))
+            dest.append(rng.choice([None, None, 0, 1, 2]))
+        c2, t2 = rk.split_cache_bound(prompts, dest)
+        c1, t1 = rk.infinite_cache_bound(prompts)
+        assert t1 == t2 and c2 <= c1
