@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from aiohttp import web
 
 from fleetserve.router.kv_events.decode import BlockStored
-from fleetserve.router.kv_events.loads import STALE_INTERVALS, EngineLoads, ranks_tokens
+from fleetserve.router.kv_events.loads import STALE_INTERVALS, EngineLoads, ranks_capacity, ranks_tokens
 from fleetserve.router.kv_events.policy import KvAwarePolicy, RouteKey
 from fleetserve.router.workers import Worker
 
@@ -217,3 +217,38 @@ async def test_poll_reads_the_engines_timestamp_for_freshness(start_app):
             assert el.snapshots[url][3] == el.snapshots[url][0]
     finally:
         await runner.cleanup()
+
+
+def test_ranks_capacity_reads_max_total_num_tokens_per_rank():
+    doc = {"loads": [{"dp_rank": 0, "max_total_num_tokens": 4096}, {"dp_rank": 1, "max_total_num_tokens": 2048},
+                     {"dp_rank": 2, "max_total_num_tokens": "big"}, "junk"]}
+    assert ranks_capacity(doc) == {0: 4096, 1: 2048}
+    assert ranks_capacity({"loads": [{"dp_rank": 0, "max_total_num_tokens": 0}]}) == {}
+    el = EngineLoads(1.0)
+    el.pools[A] = {0: 4096, 1: 2048}
+    assert el.capacity(A, None) == 6144 and el.capacity(A, 1) == 2048 and el.capacity(B, 0) is None
+    el.forget(A)
+    assert el.capacity(A, 0) is None
+
+
+def test_a_full_kv_pool_sends_the_prefix_holders_next_request_elsewhere():
+    # A holds 32 of the 33 prompt tokens (all it can: prompt[:-1]); B none (cost 33).
+    pol = kv({A: ["exact"], B: ["exact"]})
+    pol.index.apply((A, 0), BlockStored(list(range(8)), None, P, 4))
+    el = pol.engine_loads = EngineLoads(1.0)
+    now = time.monotonic()
+    el.pools[A] = el.pools[B] = {0: 2048}
+    el.put(A, {0: 200}, now)  # 1 + 0.1 x 200 = 21 < 33: the cache wins, and 200 + 1 + 128 fits in 2048
+    el.put(B, {0: 0}, now)
+    key = RouteKey("", P + [1], 128)
+    assert pol.select([Worker(A), Worker(B)], key).url == A and key.cached == 32
+    pol.release(key)
+    # the same 200 tokens, but a pool of 300: 200 + 1 + 128 = 329 is 29 over -> 21 + 29 = 50 > 33: B
+    el.pools[A] = {0: 300}
+    key = RouteKey("", P + [1], 128)
+    assert pol.select([Worker(A), Worker(B)], key).url == B
+    pol.release(key)
+    # without the engine's pool size (a worker whose /v1/loads lacks it) the cache wins again
+    del el.pools[A]
+    key = RouteKey("", P + [1], 128)
+    assert pol.select([Worker(A), Worker(B)], key).url == A

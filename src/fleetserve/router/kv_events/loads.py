@@ -75,6 +75,18 @@ def ranks_tokens(doc) -> dict[int, int] | None:
     return out or None
 
 
+def ranks_capacity(doc) -> dict[int, int]:
+    """``{dp_rank: max_total_num_tokens}`` (the KV pool's size in tokens) of a ``/v1/loads`` answer."""
+    loads = doc.get("loads") if isinstance(doc, dict) else None
+    out = {}
+    for e in loads if isinstance(loads, list) else ():
+        if isinstance(e, dict):
+            r, c = e.get("dp_rank", 0), e.get("max_total_num_tokens")
+            if type(r) is int and type(c) is int and c > 0:
+                out[r] = c
+    return out
+
+
 class EngineLoads:
     """Worker url -> snapshot ``(arrived, {dp_rank: tokens}, asked, taken)`` (monotonic seconds; ``taken``:
     when the engine took the figures, from its ``timestamp``, else ``arrived``); polled by :meth:`run`."""
@@ -84,6 +96,7 @@ class EngineLoads:
         self.snapshots: dict[str, tuple[float, dict[int, int], float, float]] = {}
         self._ended: dict[str, dict[int | None, int]] = {}  # url -> rank or None -> tokens ended since the snapshot
         self._missing: dict[str, float] = {}  # url -> when it last answered without figures
+        self.pools: dict[str, dict[int, int]] = {}  # url -> {dp_rank: KV pool size in tokens}
         self.polls = 0
         self.failures = 0
 
@@ -106,6 +119,16 @@ class EngineLoads:
                 return None
             gone = ended.get(rank, 0) if ended else 0
         return max(0, n - gone)
+
+    def capacity(self, url: str, rank: int | None) -> int | None:
+        """The KV pool size in tokens of a target (``rank`` None: all ranks together); None: unknown.
+
+        A pool's size does not change while the worker runs, so it never goes stale.
+        """
+        pools = self.pools.get(url)
+        if not pools:
+            return None
+        return sum(pools.values()) if rank is None else pools.get(rank)
 
     def put(self, url: str, per_rank: dict[int, int], now: float | None = None, asked: float | None = None,
             taken: float | None = None) -> None:
@@ -137,6 +160,7 @@ class EngineLoads:
         self.snapshots.pop(url, None)
         self._ended.pop(url, None)
         self._missing.pop(url, None)
+        self.pools.pop(url, None)
 
     async def poll(self, router) -> None:
         """Ask every registered worker once, concurrently; drop removed workers' snapshots."""
@@ -160,6 +184,9 @@ class EngineLoads:
                     try:
                         doc = await r.json(content_type=None)
                         per, stamp = ranks_tokens(doc), taken_at(doc)
+                        pools = ranks_capacity(doc)
+                        if pools:
+                            self.pools[url] = pools
                     except ValueError:  # not JSON
                         per = None
         except Exception as e:  # unreachable or slow: no figure now; the router-side count is in charge

@@ -115,6 +115,18 @@ def decode_budget(body: dict) -> int:
     return min(v, MAX_DECODE_TOKENS)
 
 
+def _overflow(load: int, need: int, pool: int) -> int:
+    """Tokens of a request's KV (``need``: uncached prompt + decode budget) that do not fit in a
+    target's KV pool of ``pool`` tokens beside the ``load`` tokens already held or promised there.
+
+    Those tokens wait until running requests free their pages (or the engine retracts and
+    recomputes), so the cost counts them like uncached prefill tokens. Without this term a low
+    ``--kv-load-weight`` keeps piling one prefix's requests onto a worker whose pool is full, and
+    they queue there (docs/benchmarks.md, routing-kv-load-high) while other workers sit idle.
+    """
+    return max(0, load + need - pool)
+
+
 class KvAwarePolicy:
     """See the module docstring.  ``select`` runs on the event loop; events arrive on threads."""
 
@@ -206,6 +218,7 @@ class KvAwarePolicy:
         now = time.monotonic() if engine_loads is not None else 0.0
         load_tokens, inflight = self.load_tokens, self.inflight
         prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
+        decode_tokens = key.decode_tokens
         check = self.tokenizer_check
         for order, (w, rank, ranks) in enumerate(targets):
             url = w.url
@@ -234,7 +247,12 @@ class KvAwarePolicy:
                 seen = engine_loads.tokens(url, rank, now)
                 if seen is not None and seen > load:
                     load = seen
-            cost = prefill_weight * (prompt_tokens - cached) + load_weight * load
+            uncached = prompt_tokens - cached
+            cost = prefill_weight * uncached + load_weight * load
+            if engine_loads is not None:  # KV that does not fit now waits (or is recomputed): see _overflow
+                pool = engine_loads.capacity(url, rank)
+                if pool is not None:
+                    cost += prefill_weight * _overflow(load, uncached + decode_tokens, pool)
             reqs = inflight.get(lk, 0) if rank is not None else w.load
             score = (cost, reqs, order)
             if best is None or score < best[0]:
