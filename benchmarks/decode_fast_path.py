@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         f"decodes (median over all rounds). Machine load average {load0[0]:.1f} at the start, {load1[0]:.1f} at "
         f"the end (1 min; {os.cpu_count()} cores shared with other jobs). CPU ms = the process's CPU "
         f"time per step (all its threads, spinning included): on a loaded machine the wall time mostly "
-        f"measures waiting for a core, the CPU time (with 1 thread) what a quiet machine's wall time would be.",
+        f"measures waiting for a core; the CPU time (with 1 thread) is nearer a quiet machine's wall time, though "
+        f"other jobs' memory traffic still inflates it.",
         "",
         "| --quantization | requests | off: wall ms/step | on: wall ms/step | wall speed-up | off: CPU ms/step "
         "| on: CPU ms/step | CPU speed-up | on: tok/s by CPU time | same tokens |",
