@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fleetserve.core import fast_path
 from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -36,6 +37,9 @@ class ForwardContext:
         last_token_idx: int64 ``[B]`` flat index of each request's last new token.
         global_num_tokens: DP attention only: every attention group's token count this
             step (``ForwardBatch.global_num_tokens``), for the FFN gather; else None.
+        full_mask: True when every entry of ``mask`` is True (a DECODE group whose
+            requests all have the same length, e.g. every batch of one request);
+            :meth:`additive_mask` then gives None and attention runs unmasked.
     """
 
     mode: ForwardMode
@@ -55,9 +59,13 @@ class ForwardContext:
     groups: list["ForwardContext"] | None = None
     #: For a sub-batch: int64 ``[T_g]`` rows of the full batch's flat tokens it holds.
     token_idx: torch.Tensor | None = None
+    full_mask: bool = False
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """``mask`` as 0 / -inf in ``dtype`` (built once per forward, shared by all layers)."""
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``mask`` as 0 / -inf in ``dtype`` (built once per forward, shared by all layers),
+        or None when nothing is masked (``full_mask``, with the fast path on)."""
+        if self.full_mask and fast_path.ENABLED:
+            return None
         cache = self.__dict__.setdefault("_additive", {})
         if dtype not in cache:
             m = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
@@ -144,13 +152,19 @@ def _dense(mode: ForwardMode, kv: list[torch.Tensor], seq_l: list[int], ext_l: l
     seq = torch.tensor(seq_l, dtype=torch.int64, device=device)
     ext = torch.tensor(ext_l, dtype=torch.int64, device=device)
     last = torch.cumsum(ext, 0) - 1
-    kv_idx = torch.nn.utils.rnn.pad_sequence(kv, batch_first=True, padding_value=0)
+    fast = fast_path.ENABLED
+    if fast and B == 1:
+        kv_idx = kv[0].reshape(1, -1)
+    else:
+        kv_idx = torch.nn.utils.rnn.pad_sequence(kv, batch_first=True, padding_value=0)
     L = kv_idx.shape[1]
     keys = torch.arange(L, device=device)
+    full = False
     if decode:
         S = 1
         mask = (keys[None, :] < seq[:, None]).view(B, 1, 1, L)
         q_gather = q_scatter = None
+        full = fast and min(seq_l) == max(seq_l)  # every row of the mask is all True
     else:
         S = max(ext_l)
         prefix = torch.tensor(pre_l, dtype=torch.int64, device=device)
@@ -162,4 +176,4 @@ def _dense(mode: ForwardMode, kv: list[torch.Tensor], seq_l: list[int], ext_l: l
         valid = qpos[None, :] < ext[:, None]
         q_gather = torch.where(valid, flat, torch.full_like(flat, T)).view(-1)
         q_scatter = (torch.arange(B, device=device)[:, None] * S + qpos[None, :])[valid]
-    return ForwardContext(mode, None, None, kv_idx, mask, q_gather, q_scatter, last, B, S, T)
+    return ForwardContext(mode, None, None, kv_idx, mask, q_gather, q_scatter, last, B, S, T, full_mask=full)

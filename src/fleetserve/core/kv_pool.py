@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from fleetserve.core import fast_path
+
 
 class TokenSlotAllocator:
     """Free list of KV slots, handed out in pages of ``page_size`` contiguous slots.
@@ -165,6 +167,10 @@ class MHAKVPool:
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` (``[n, num_kv_heads, head_dim]``) to slots ``loc`` (``[n]``)."""
+        if fast_path.ENABLED and k.dtype == self.dtype and v.dtype == self.dtype:
+            self.k_buffer[layer].index_copy_(0, loc, k)  # one op each, no __setitem__ index parsing
+            self.v_buffer[layer].index_copy_(0, loc, v)
+            return
         self.k_buffer[layer][loc] = k.to(self.dtype)
         self.v_buffer[layer][loc] = v.to(self.dtype)
 

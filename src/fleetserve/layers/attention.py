@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetserve.core import fast_path
 from fleetserve.core.forward_context import ForwardContext
 from fleetserve.core.kv_pool import MHAKVPool
 from fleetserve.layers.linear import ColumnParallelLinear, RowParallelLinear, TPGroup, UNSHARDED
@@ -130,15 +131,24 @@ class MHAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias, tp=tp, dtype=dtype)
         self.rotary = rotary
         self.scale = head_dim ** -0.5
+        #: queries and keys rotated by one call (neox layout over the whole head)
+        self._rotate_together = not rotary.interleaved and rotary.rotary_dim == head_dim
 
     def forward(self, hidden: torch.Tensor, meta: ForwardContext, pool: MHAKVPool) -> torch.Tensor:
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(meta.positions, q, k)
+        if fast_path.ENABLED and self._rotate_together:
+            qk_size = self.q_size + self.kv_size
+            qk = self.rotary.rotate_heads(
+                meta.positions, qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+            v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary(meta.positions, q, k)
         if T:
             pool.set_kv(self.layer_id, meta.out_cache_loc, k, v)
         kbuf, vbuf = pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id]

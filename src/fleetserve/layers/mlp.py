@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetserve.core import fast_path
 from fleetserve.layers.linear import UNSHARDED, ColumnParallelLinear, RowParallelLinear, TPGroup
 
 
@@ -57,4 +58,6 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.local_inter, dim=-1)
+        if fast_path.ENABLED:
+            return self.down_proj(self.act(gate).mul_(up))  # one temporary fewer, same products
         return self.down_proj(self.act(gate) * up)

@@ -47,6 +47,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from fleetserve.core import fast_path
 from fleetserve.layers.weight_only import INT4_GROUP_SIZES, Int4WeightOnlyGemm, Int8WeightOnlyGemm, int8_row_absmax
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,9 @@ class Fp16WeightGemm:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (bias is None and fast_path.ENABLED and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]
+                and x.is_contiguous()):
+            return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)  # the common case, no reshapes
         dtype, shape = x.dtype, x.shape
         x2 = x.reshape(-1, shape[-1]).float()
         if x2.shape[0] == 0:
