@@ -7,16 +7,20 @@ the flag and swaps every target layer's gemm. The two fbgemm schemes (``torch.op
 * ``int8`` (alias ``w8a8_int8``, SGLang's name): W8A8 with dynamic activations.
   Each weight is quantized once to int8, symmetric, one scale per output row
   (``scale_o = max|W[o, :]| / 127``); at every call fbgemm quantizes the
-  activations to uint8 with one scale and zero point for the whole ``[N, in]``
-  input, multiplies in int8 with int32 accumulation and dequantizes to float32
+  activations to uint8 with one scale and zero point for its whole input,
+  multiplies in int8 with int32 accumulation and dequantizes to float32
   (``linear_prepack`` / ``linear_dynamic``, the op behind the deprecated
   ``torch.ao.nn.quantized.dynamic.Linear``, used here without that module API).
   Without VNNI, fbgemm adds pairs of uint8 x int8 products in int16
   (``vpmaddubsw``), which saturates for large activations, so activations are
   quantized to 7 bits there (``reduce_range=True``, as PyTorch's x86 default
   qconfig); with VNNI (``avx512_vnni`` / ``avx_vnni``) all 8 bits are used.
-  Relative error ~2% per linear; too lossy for SmolLM2-135M's greedy output
-  (docs/benchmarks.md), so it is never chosen by ``auto``.
+  Two things make it usable on SmolLM2 (docs/quantization.md): per-token activation
+  scales (each row is divided by its own ``max|x_i|`` around the call, so the kernel's
+  one scale fits every token: :class:`Int8DynamicGemm`) and SmoothQuant channel
+  smoothing calibrated at load (:mod:`fleetserve.layers.smooth_quant`, folded into the
+  RMSNorm weights and the up / V rows, so no run-time cost). Without them one token's
+  huge down-projection input flattened every other token to a few levels.
 * ``fp16_weight`` (this project's name; neither peer has it): weights stored
   as float16, activations and accumulation float32 (``linear_prepack_fp16`` /
   ``linear_dynamic_fp16``). Error ~2e-4 per linear; halves the weight reads.
