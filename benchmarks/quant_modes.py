@@ -5,13 +5,22 @@ throughput benchmarks load it once: each mode is applied once with
 :func:`fleetserve.layers.quantization.apply_quantization` (from the float32 weights,
 which every layer keeps), its per-layer gemm objects are remembered, and
 :meth:`ModeSwitcher.use` puts a mode's set back in place. The result is the same
-model a fresh engine with ``--quantization mode`` would build.
+model a fresh engine with ``--quantization mode`` would build. ``int8`` smooths (SmoothQuant, folded
+into the RMSNorm weights, which are therefore switched too); ``INT8_VARIANTS`` switch its two parts off
+for comparison (``int8-plain`` is the int8 before them).
 """
 
 from __future__ import annotations
 
 from fleetserve.layers.cpu_gemm import PackedLinear
+from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.quantization import _targets, apply_quantization
+from fleetserve.layers.smooth_quant import restore_norms
+
+#: Benchmark-only int8 variants (no such ``--quantization`` values): ``int8-plain`` = one
+#: activation scale per call, no SmoothQuant (the int8 before them); ``int8-smooth`` = SmoothQuant
+#: only; ``int8-token`` = per-token activation scales only. ``int8`` = both.
+INT8_VARIANTS = ("int8-plain", "int8-smooth", "int8-token")
 
 
 class ModeSwitcher:
@@ -20,17 +29,24 @@ class ModeSwitcher:
     def __init__(self, runner, modes) -> None:
         self.runner = runner
         self.layers = _targets(runner.model)
-        self.gemms = {}
+        self.gemms, self.norms = {}, {}
+        self.norm_layers = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
         for mode in modes:
             for m in self.layers:
                 m._gemm = PackedLinear()
-            applied = apply_quantization(runner.model, mode, runner.device)
-            assert applied == mode or (mode == "auto"), (mode, applied)
+            base, _, variant = mode.partition("-") if mode.startswith("int8-") else (mode, "", "")
+            applied = apply_quantization(runner.model, base, runner.device, calibrate=runner.int8_calibrator(),
+                                         smoothing=variant in ("", "smooth"), per_token=variant in ("", "token"))
+            assert applied == base or (mode == "auto"), (mode, applied)
             self.gemms[mode] = [m._gemm for m in self.layers]
+            self.norms[mode] = [n.weight.detach().clone() for n in self.norm_layers]  # int8 folds s into them
+        restore_norms(runner.model)
 
     def use(self, mode: str) -> None:
         for m, g in zip(self.layers, self.gemms[mode]):
             m._gemm = g
+        for n, w in zip(self.norm_layers, self.norms[mode]):
+            n.weight.data.copy_(w)
         self.runner.quantization = mode
 
 

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quant_throughput import closed_loop  # noqa: E402
 
-MODES = ("none", "fp16_weight", "int8", "int8wo", "int4wo-32", "int4wo-128")
+MODES = ("none", "fp16_weight", "int8", "int8-plain", "int8wo", "int4wo-32")
 
 #: 32 prompts: instructions, facts, code and plain continuations.
 PROMPTS = [
@@ -131,6 +131,45 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     sched, switch = build(modes)  # one model, every mode's linears ready (quant_modes.py)
     print(f"model loaded, {len(modes)} modes ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    def report(final: bool) -> None:
+        ref_outs, ref_lps, ref_tops = res["none"]
+        ref_nll = -sum(ref_lps) / len(ref_lps)
+        rows = []
+        for mode in [m for m in modes if m in res]:
+            outs, lps, tops = res[mode]
+            pa, oa, fd = agreement(ref_outs, outs)
+            nll = -sum(lps) / len(lps)
+            top1 = sum(x == y for x, y in zip(ref_tops, tops)) / len(ref_tops)
+            rows.append((mode, pa, oa, fd, nll, nll / ref_nll - 1, top1))
+            if final:
+                print(f"{mode:>11}: prefix {pa:.1%} overall {oa:.1%} first div {fd:.0f}  NLL {nll:.4f} "
+                      f"({nll / ref_nll - 1:+.2%}) top-1 {top1:.1%}", flush=True)
+        body = (f"torch {torch.__version__}, {a.threads} threads, CPU capability "
+                f"{torch.backends.cpu.get_cpu_capability()}. Greedy: {len(prompt_ids)} prompts x "
+                f"{a.max_new_tokens} tokens (ignore_eos, all in flight). Teacher-forced: one fixed text of "
+                f"{len(text_ids)} tokens (`TEXT` in the script). Definitions in the script's docstring: "
+                "prefix agreement = tokens equal to float32's up to each prompt's first divergence / all tokens; "
+                "overall = tokens equal to float32's at the same position / all tokens; first divergence = "
+                "median position of the first differing token; NLL in nats per token; top-1 = share of "
+                "teacher-forced positions whose argmax equals float32's. Aim: NLL within 2%, agreement >= 95%. "
+                "`int8-plain` (one activation scale per call, no smoothing: the int8 before SmoothQuant), "
+                "`int8-smooth` (SmoothQuant only) and `int8-token` (per-token scales only) are benchmark-only "
+                "variants of `int8` (`benchmarks/quant_modes.py`).\n\n"
+                "| --quantization | prefix agreement | overall agreement | first divergence (median) "
+                "| NLL | NLL vs float32 | teacher-forced top-1 = float32 |\n|---|---|---|---|---|---|---|\n")
+        body += "\n".join(f"| {m} | {pa:.1%} | {oa:.1%} | {fd:.0f} | {nll:.4f} | {d:+.2%} | {t:.1%} |"
+                          for m, pa, oa, fd, nll, d, t in rows) + "\n"
+        if not final:
+            body += (f"\nPartial: {len(res)} of {len(modes)} modes done so far "
+                     f"(not yet: {', '.join(m for m in modes if m not in res)}).\n")
+        body += f"\nMachine load average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min).\n"
+        if final:
+            print(body)
+        if not a.no_write:
+            from doc_section import write_section
+
+            write_section("quant_quality", "Output quality by --quantization (SmolLM2, CPU)",
+                          " ".join(["python benchmarks/quant_quality.py"] + sys.argv[1:]), body)
     res = {}
     for mode in modes:
         t0 = time.perf_counter()
@@ -144,35 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         nll, ref_nll = -sum(lps) / len(lps), -sum(res["none"][1]) / len(res["none"][1])
         print(f"{mode}: done in {time.perf_counter() - t0:.0f} s: prefix {pa:.1%} overall {oa:.1%} "
               f"first div {fd:.0f} NLL {nll:.4f} ({nll / ref_nll - 1:+.2%})", flush=True)
-    ref_outs, ref_lps, ref_tops = res["none"]
-    ref_nll = -sum(ref_lps) / len(ref_lps)
-    rows = []
-    for mode in modes:
-        outs, lps, tops = res[mode]
-        pa, oa, fd = agreement(ref_outs, outs)
-        nll = -sum(lps) / len(lps)
-        top1 = sum(x == y for x, y in zip(ref_tops, tops)) / len(ref_tops)
-        rows.append((mode, pa, oa, fd, nll, nll / ref_nll - 1, top1))
-        print(f"{mode:>11}: prefix {pa:.1%} overall {oa:.1%} first div {fd:.0f}  NLL {nll:.4f} "
-              f"({nll / ref_nll - 1:+.2%}) top-1 {top1:.1%}", flush=True)
-    body = (f"torch {torch.__version__}, {a.threads} threads, CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}. Greedy: {len(prompt_ids)} prompts x "
-            f"{a.max_new_tokens} tokens (ignore_eos, all in flight). Teacher-forced: one fixed text of "
-            f"{len(text_ids)} tokens (`TEXT` in the script). Definitions in the script's docstring: "
-            "prefix agreement = tokens equal to float32's up to each prompt's first divergence / all tokens; "
-            "overall = tokens equal to float32's at the same position / all tokens; first divergence = "
-            "median position of the first differing token; NLL in nats per token; top-1 = share of "
-            "teacher-forced positions whose argmax equals float32's. Aim: NLL within 2%, agreement >= 95%.\n\n"
-            "| --quantization | prefix agreement | overall agreement | first divergence (median) "
-            "| NLL | NLL vs float32 | teacher-forced top-1 = float32 |\n|---|---|---|---|---|---|---|\n")
-    body += "\n".join(f"| {m} | {pa:.1%} | {oa:.1%} | {fd:.0f} | {nll:.4f} | {d:+.2%} | {t:.1%} |"
-                      for m, pa, oa, fd, nll, d, t in rows) + "\n"
-    print(body)
-    if not a.no_write:
-        from doc_section import write_section
-
-        write_section("quant_quality", "Output quality by --quantization (SmolLM2, CPU)",
-                      "python benchmarks/quant_quality.py", body)
+        if mode != modes[-1]:
+            report(False)  # the section so far, in case a slow mode does not finish
+    report(True)
     return 0
 
 

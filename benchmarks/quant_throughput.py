@@ -111,12 +111,16 @@ def main(argv: list[str] | None = None) -> int:
             "|---|---|---|---|---|---|---|\n")
     body += "\n".join(f"| {c} | {n} | {m} | {t:.1f} | {r:.2f}x | {tt * 1000:.0f} | {s:.1%} |"
                       for c, n, m, t, r, tt, s in rows) + "\n"
+    body += ("\n`int8-plain` / `int8-smooth` / `int8-token`: benchmark-only variants of `int8` (one activation scale "
+             "per call without smoothing = the int8 before SmoothQuant; SmoothQuant only; per-token scales only; "
+             "`benchmarks/quant_modes.py`). Machine load average at the end: "
+             f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min).\n")
     print(body)
     if not a.no_write:
         from doc_section import write_section
 
         write_section("quant_throughput", "Engine decode throughput by --quantization (SmolLM2, CPU)",
-                      "python benchmarks/quant_throughput.py", body)
+                      " ".join(["python benchmarks/quant_throughput.py"] + sys.argv[1:]), body)
     return 0
 
 

@@ -41,6 +41,7 @@ from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
 from fleetserve.core.kv_pool import TokenSlotAllocator
 from fleetserve.core.forward_context import ForwardContext
 from fleetserve.layers.opaque_gemm import register_gemm_layers
+from fleetserve.engine.int8_calibration import calibrator
 from fleetserve.layers.quantization import apply_quantization, check_quantization
 from fleetserve.engine.compiled_decode_runner import CompiledDecodeRunner, run_host_syncing_modules_eagerly
 from fleetserve.engine.cuda_graph_runner import (DecodeGraphRunner, EagerDecodeGraphRunner, default_batch_sizes,
@@ -171,7 +172,7 @@ class ModelRunner:
         run_loaders(self.model.weight_loaders(source), desc=f"Loading {name}", show_progress=show_progress)
         source.close()
         self.model.to(self.device).eval()
-        self.quantization = apply_quantization(self.model, quantization, self.device)
+        self.quantization = apply_quantization(self.model, quantization, self.device, calibrate=self.int8_calibrator())
 
         self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.dtype)
         if max_total_tokens is None:
@@ -202,6 +203,10 @@ class ModelRunner:
             sizes = graph_batch_sizes or default_batch_sizes(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS)
             self._init_graph_runner(sizes,
                                     graph_seq_len_buckets or default_seq_len_buckets(self.max_context_len))
+
+    def int8_calibrator(self):
+        """The calibration pass ``--quantization int8`` smooths with (engine/int8_calibration.py)."""
+        return calibrator(self.model, self.model_path, self.vocab_size, self.dtype, self.device)
 
     # ------------------------------------------------------------ decode graphs
     @property

@@ -7,16 +7,20 @@ the flag and swaps every target layer's gemm. The two fbgemm schemes (``torch.op
 * ``int8`` (alias ``w8a8_int8``, SGLang's name): W8A8 with dynamic activations.
   Each weight is quantized once to int8, symmetric, one scale per output row
   (``scale_o = max|W[o, :]| / 127``); at every call fbgemm quantizes the
-  activations to uint8 with one scale and zero point for the whole ``[N, in]``
-  input, multiplies in int8 with int32 accumulation and dequantizes to float32
+  activations to uint8 with one scale and zero point for its whole input,
+  multiplies in int8 with int32 accumulation and dequantizes to float32
   (``linear_prepack`` / ``linear_dynamic``, the op behind the deprecated
   ``torch.ao.nn.quantized.dynamic.Linear``, used here without that module API).
   Without VNNI, fbgemm adds pairs of uint8 x int8 products in int16
   (``vpmaddubsw``), which saturates for large activations, so activations are
   quantized to 7 bits there (``reduce_range=True``, as PyTorch's x86 default
   qconfig); with VNNI (``avx512_vnni`` / ``avx_vnni``) all 8 bits are used.
-  Relative error ~2% per linear; too lossy for SmolLM2-135M's greedy output
-  (docs/benchmarks.md), so it is never chosen by ``auto``.
+  Two things make it usable on SmolLM2 (docs/quantization.md): per-token activation
+  scales (each row is divided by its own ``max|x_i|`` around the call, so the kernel's
+  one scale fits every token: :class:`Int8DynamicGemm`) and SmoothQuant channel
+  smoothing calibrated at load (:mod:`fleetserve.layers.smooth_quant`, folded into the
+  RMSNorm weights and the up / V rows, so no run-time cost). Without them one token's
+  huge down-projection input flattened every other token to a few levels.
 * ``fp16_weight`` (this project's name; neither peer has it): weights stored
   as float16, activations and accumulation float32 (``linear_prepack_fp16`` /
   ``linear_dynamic_fp16``). Error ~2e-4 per linear; halves the weight reads.
@@ -42,12 +46,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from fleetserve.core import fast_path
+from fleetserve.layers.smooth_quant import ALPHA, restore_norms, smooth
 from fleetserve.layers.weight_only import INT4_GROUP_SIZES, Int4WeightOnlyGemm, Int8WeightOnlyGemm, int8_row_absmax
 
 logger = logging.getLogger(__name__)
@@ -147,15 +152,24 @@ class Int8DynamicGemm:
     argument is ignored -- the int8 copy packed at construction is used.
     ``x``: ``[..., in]`` (any float dtype; computed in float32 and cast back);
     returns ``[..., out]``.
+
+    ``per_token`` (default True): one activation scale per row (token) instead of one per
+    call. fbgemm's kernel takes a single scale for the whole input, so each row is divided
+    by its own ``max|x_i|`` before the call and its output row multiplied by it after
+    (``y_i = r_i * ((x_i / r_i) W^T)``, exact in real arithmetic): every row then spans the
+    full 7 / 8-bit range, and one token with huge activations (SmolLM2's first tokens reach
+    ~100x the median in the down projection's input) no longer flattens the others to a few
+    levels. Costs one row maximum, one ``[N, in]`` division and one ``[N, out]`` product.
     """
 
-    __slots__ = ("_packed", "_reduce_range", "out_features", "in_features")
+    __slots__ = ("_packed", "_reduce_range", "_per_token", "out_features", "in_features")
 
-    def __init__(self, weight: torch.Tensor, reduce_range: bool | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, reduce_range: bool | None = None, per_token: bool = True) -> None:
         if reduce_range is None:
             reduce_range = not has_vnni()
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self._reduce_range = bool(reduce_range)
+        self._per_token = bool(per_token)
         self._packed = torch.ops.quantized.linear_prepack(quantize_weight_per_row(weight), None)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
@@ -167,6 +181,10 @@ class Int8DynamicGemm:
             x2 = x2.float()
         if x2.shape[0] == 0:
             y = x2.new_zeros(0, self.out_features)
+        elif self._per_token:
+            r = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+            y = torch.ops.quantized.linear_dynamic((x2 / r).contiguous(), self._packed, self._reduce_range)
+            y.mul_(r)
         else:
             y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, self._reduce_range)
         if bias is not None:
@@ -215,17 +233,29 @@ def _targets(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
 
 
-def apply_quantization(model: nn.Module, value: str | None, device: str | torch.device = "cpu") -> str:
+def apply_quantization(model: nn.Module, value: str | None, device: str | torch.device = "cpu",
+                       calibrate: Callable[[Sequence[nn.Module]], dict] | None = None,
+                       smoothing: bool = True, per_token: bool = True) -> str:
     """Quantize ``model``'s linears in place per ``--quantization value``; returns the mode used.
 
-    Call after the weights are loaded. Each targeted layer's ``_gemm`` becomes an
-    :class:`Int8DynamicGemm` or :class:`Fp16WeightGemm` of its (shard of the)
+    Call after the weights are loaded (again with another mode if need be: every mode is made
+    from the float32 weights the layers keep, and the RMSNorm weights an earlier ``int8``
+    smoothed are put back first). Each targeted layer's ``_gemm`` becomes an
+    :class:`Int8DynamicGemm`, :class:`Fp16WeightGemm` or weight-only gemm of its (shard of the)
     weight. Logs the choice.
+
+    ``int8``: with ``calibrate`` (``calibrate(linears) -> {linear: max|x_j| float32 [in]}``,
+    :func:`fleetserve.engine.int8_calibration.calibrator`) and a model that lists its
+    ``int8_smoothing_groups()``, the linears are SmoothQuant-smoothed first
+    (:mod:`fleetserve.layers.smooth_quant`); ``smoothing=False`` (benchmarks) skips that and
+    gives the plain W8A8 of every linear; ``per_token=False`` (benchmarks) one activation scale
+    per call instead of per token (:class:`Int8DynamicGemm`). Both off = the int8 of before.
 
     Raises:
         ValueError: bad value, or int8 asked for where it cannot run (names ``--quantization``).
     """
     mode = resolve_quantization(value, device)
+    restore_norms(model)
     if value == "auto":
         logger.info("--quantization auto -> %s on %s (CPU capability %s): fp16_weight was the fastest mode "
                     "that kept float32's quality in docs/benchmarks.md (measured on AVX2 only; there the "
@@ -244,11 +274,26 @@ def apply_quantization(model: nn.Module, value: str | None, device: str | torch.
                     value, len(layers), torch.backends.cpu.get_cpu_capability())
         return mode
     reduce_range = not has_vnni()
+    eff: dict = {}
+    how = "no SmoothQuant (not asked for)" if not smoothing else "no SmoothQuant (no calibration pass given)"
+    groups_of = getattr(model, "int8_smoothing_groups", None)
+    if smoothing and calibrate is not None and groups_of is None:
+        how = "no SmoothQuant (this model lists no smoothing groups)"
+    if smoothing and calibrate is not None and groups_of is not None:
+        from fleetserve.layers.cpu_gemm import PackedLinear
+
+        for m in layers:  # calibrate on float32 linears
+            m._gemm = PackedLinear()
+        groups = groups_of()
+        eff = smooth(groups, calibrate(layers), ALPHA)
+        how = (f"SmoothQuant alpha {ALPHA} on {len(eff)} of them ({len(groups)} groups, s folded into "
+               "the RMSNorm weights and the up / V rows; calibrated on a built-in text)")
     for m in layers:
-        m._gemm = Int8DynamicGemm(m.weight, reduce_range=reduce_range)
+        m._gemm = Int8DynamicGemm(eff.get(m, m.weight), reduce_range=reduce_range, per_token=per_token)
     logger.info("--quantization %s: %d linears int8 (fbgemm dynamic W8A8, per-row weight scales, "
-                "%d-bit activations: VNNI %s; CPU capability %s)", value, len(layers),
-                7 if reduce_range else 8, "no" if reduce_range else "yes", torch.backends.cpu.get_cpu_capability())
+                "%d-bit activations with one scale per %s: VNNI %s; CPU capability %s); %s", value, len(layers),
+                7 if reduce_range else 8, "token" if per_token else "call", "no" if reduce_range else "yes",
+                torch.backends.cpu.get_cpu_capability(), how)
     return "int8"
 
 

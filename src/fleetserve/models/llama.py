@@ -21,6 +21,7 @@ from fleetserve.layers.attention import MHAttention
 from fleetserve.layers.linear import attn_tp_group, full_tp_group
 from fleetserve.layers.mlp import GatedMLP
 from fleetserve.layers.norm import RMSNorm
+from fleetserve.layers.smooth_quant import NormGroup, attention_v_group, gated_mlp_group
 from fleetserve.layers.rotary import RotaryEmbedding, get_rope_parameters
 from fleetserve.models.decoder_lm import DecoderOnlyLM
 
@@ -74,6 +75,28 @@ class LlamaForCausalLM(DecoderOnlyLM):
                     head_dim=self.head_dim)
 
     kv_pool_class = MHAKVPool
+
+    # ---- int8 smoothing (SmoothQuant, layers/smooth_quant.py) --------------------------------
+    def int8_smoothing_groups(self) -> list:
+        """Where ``--quantization int8`` may fold SmoothQuant's ``1/s``, in a fixed order (same on every rank).
+
+        Per layer: ``input_layernorm`` -> QKV, V rows -> O (no QKV bias), ``post_attention_layernorm``
+        -> gate/up, up rows -> down (no gate/up bias); then the final norm -> LM head.
+        """
+        groups: list = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            groups.append(NormGroup(layer.input_layernorm, [attn.qkv_proj], attn.qkv_proj.tp.group,
+                                    attn.qkv_proj.tp.size))
+            if attn.qkv_proj.bias is None:
+                groups.append(attention_v_group(attn))
+            groups.append(NormGroup(layer.post_attention_layernorm, [mlp.gate_up_proj], mlp.gate_up_proj.tp.group,
+                                    mlp.gate_up_proj.tp.size))
+            if mlp.gate_up_proj.bias is None:
+                groups.append(gated_mlp_group(mlp))
+        head = self.lm_head
+        groups.append(NormGroup(self.norm, [head], head.tp.group, head.tp.size))
+        return groups
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """KV bytes one token takes on this rank: layers x local KV heads x (K + V) x head_dim."""

@@ -40,3 +40,26 @@ def weight_only_shards_job(rank, world, mode, seed):
     with torch.inference_mode():
         return (col._gemm.dequantized(), row._gemm.dequantized(), col(x),
                 row(h[:, row.col_start:row.col_end]))
+
+
+def smoothed_int8_job(rank, world, model_dir, sizes, prompts, n_new):
+    """``--quantization int8`` (SmoothQuant) on this rank: (every RMSNorm weight after the fold,
+    the smoothed QKV weight's dequantized rows as this rank holds them, greedy tokens)."""
+    from fleetserve.layers.norm import RMSNorm
+
+    eng = build_rank_engine(rank, model_dir, timeout_s=rank_pool.TIMEOUT_S, dtype="float32",
+                            max_total_tokens=512, quantization="int8", **sizes)
+    model = eng.runner.model
+    norms = [m.weight.detach().clone() for m in model.modules() if isinstance(m, RMSNorm)]
+    qkv = model.layers[0].self_attn.qkv_proj
+    w = torch_dequantized_rows(qkv._gemm)
+    out = drive(eng, {0: [greedy_req(f"p{i}", p, n_new) for i, p in enumerate(prompts)]})
+    return norms, w, {rid: r["ids"] for rid, r in out["reqs"].items()}
+
+
+def torch_dequantized_rows(gemm):
+    """The float32 weight an :class:`Int8DynamicGemm` multiplies by (its int8 codes times the row scales)."""
+    import torch
+
+    qw = torch.ops.quantized.linear_unpack(gemm._packed)[0]
+    return qw.dequantize()

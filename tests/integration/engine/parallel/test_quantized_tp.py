@@ -59,3 +59,35 @@ def test_weight_only_tp2_shards_are_the_unsharded_quantized_weights(pool2, mode)
 
         own = quantize_int8_rows(single[1][:, :64])[1]
         assert not torch.equal(own, quantize_int8_rows(single[1])[1])
+
+
+def test_smoothed_int8_tp2_same_factors_on_every_rank(pool2, tiny_llama_dir):
+    """--quantization int8 on Llama (SmoothQuant folded into the RMSNorm weights) under TP 2 over
+    gloo: both ranks fold the same factors (bit for bit: the maxima are MAX-all-reduced), the
+    factors are TP 1's (to calibration-pass rounding), each rank's QKV shard is the matching rows
+    of TP 1's smoothed QKV, and both ranks produce the same greedy tokens."""
+    eng = build_rank_engine(0, tiny_llama_dir, dtype="float32", max_total_tokens=512, quantization="int8")
+    from fleetserve.layers.norm import RMSNorm
+    from quant_jobs import torch_dequantized_rows
+
+    model = eng.runner.model
+    norms1 = [m.weight.detach().clone() for m in model.modules() if isinstance(m, RMSNorm)]
+    orig = [m._fs_unsmoothed_weight for m in model.modules() if isinstance(m, RMSNorm)]
+    qkv1 = torch_dequantized_rows(model.layers[0].self_attn.qkv_proj._gemm)
+    attn = model.layers[0].self_attn
+    per_rank = pool2.run(JOBS, "smoothed_int8_job", tiny_llama_dir, dict(tp_size=2), PROMPTS, N_NEW, timeout=120)
+    (n0, w0, t0), (n1, w1, t1) = per_rank[0], per_rank[1]
+    assert len(n0) == len(norms1) == 2 * len(model.layers) + 1
+    for a, b, c, o in zip(n0, n1, norms1, orig):
+        assert torch.equal(a, b)  # identical factors on both ranks
+        assert torch.allclose(a, c, rtol=1e-4, atol=0)  # and TP 1's
+        assert not torch.allclose(a, o, rtol=1e-3)  # really smoothed
+    # TP 2 rank r holds query heads [2r, 2r+2) and KV head r of the 4 / 2: its rows of TP 1's [q; k; v]
+    # (V rows too: the O-projection factors of kv head r come from the same two query heads on both)
+    hd, q = attn.head_dim, attn.q_size
+    for r, w in enumerate((w0, w1)):
+        rows = torch.cat([torch.arange(r * q // 2, (r + 1) * q // 2), q + torch.arange(r * hd, (r + 1) * hd),
+                          q + 2 * hd + torch.arange(r * hd, (r + 1) * hd)])
+        assert w.shape == (q // 2 + 2 * hd, qkv1.shape[1])
+        assert torch.allclose(w, qkv1[rows], rtol=1e-3, atol=1e-3 * qkv1.abs().max().item()), r
+    assert t0 == t1 and all(len(v) == N_NEW for v in t0.values())
