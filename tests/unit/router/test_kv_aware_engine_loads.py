@@ -252,3 +252,15 @@ def test_a_full_kv_pool_sends_the_prefix_holders_next_request_elsewhere():
     del el.pools[A]
     key = RouteKey("", P + [1], 128)
     assert pol.select([Worker(A), Worker(B)], key).url == A
+
+
+def test_overflow_weight_zero_turns_the_pool_term_off():
+    pol = kv({A: ["exact"], B: ["exact"]}, overflow_weight=0.0)
+    pol.index.apply((A, 0), BlockStored(list(range(8)), None, P, 4))
+    el = pol.engine_loads = EngineLoads(1.0)
+    now = time.monotonic()
+    el.pools[A] = el.pools[B] = {0: 300}
+    el.put(A, {0: 200}, now)
+    el.put(B, {0: 0}, now)
+    key = RouteKey("", P + [1], 128)
+    assert pol.select([Worker(A), Worker(B)], key).url == A  # 21 < 33: the 29 tokens over A's pool are not counted

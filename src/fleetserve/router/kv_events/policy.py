@@ -134,8 +134,9 @@ class KvAwarePolicy:
 
     def __init__(self, prefill_weight: float = 1.0, load_weight: float = 0.1, speculative_ttl_s: float = 2.0,
                  max_blocks: int = 1 << 20, dp_aware: bool = False, tokenizer: RouterTokenizer | None = None,
-                 tokenize_threads: int = 2, route_header: bool = True) -> None:
+                 tokenize_threads: int = 2, route_header: bool = True, overflow_weight: float = 1.0) -> None:
         self.route_header = route_header
+        self.overflow_weight = overflow_weight
         self.prefill_weight = prefill_weight
         self.load_weight = load_weight
         self.speculative_ttl_s = speculative_ttl_s
@@ -219,6 +220,7 @@ class KvAwarePolicy:
         load_tokens, inflight = self.load_tokens, self.inflight
         prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
         decode_tokens = key.decode_tokens
+        overflow_weight = prefill_weight * self.overflow_weight
         check = self.tokenizer_check
         for order, (w, rank, ranks) in enumerate(targets):
             url = w.url
@@ -249,10 +251,10 @@ class KvAwarePolicy:
                     load = seen
             uncached = prompt_tokens - cached
             cost = prefill_weight * uncached + load_weight * load
-            if engine_loads is not None:  # KV that does not fit now waits (or is recomputed): see _overflow
+            if engine_loads is not None and overflow_weight:  # KV that does not fit waits: see _overflow
                 pool = engine_loads.capacity(url, rank)
                 if pool is not None:
-                    cost += prefill_weight * _overflow(load, uncached + decode_tokens, pool)
+                    cost += overflow_weight * _overflow(load, uncached + decode_tokens, pool)
             reqs = inflight.get(lk, 0) if rank is not None else w.load
             score = (cost, reqs, order)
             if best is None or score < best[0]:
