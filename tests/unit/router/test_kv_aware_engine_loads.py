@@ -233,7 +233,7 @@ def test_ranks_capacity_reads_max_total_num_tokens_per_rank():
 
 def test_a_full_kv_pool_sends_the_prefix_holders_next_request_elsewhere():
     # A holds 32 of the 33 prompt tokens (all it can: prompt[:-1]); B none (cost 33).
-    pol = kv({A: ["exact"], B: ["exact"]})
+    pol = kv({A: ["exact"], B: ["exact"]}, overflow_weight=1.0)  # --kv-overflow-weight 1 (default 0)
     pol.index.apply((A, 0), BlockStored(list(range(8)), None, P, 4))
     el = pol.engine_loads = EngineLoads(1.0)
     now = time.monotonic()

@@ -31,7 +31,7 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                    help="kv_aware: cost per in-flight (prompt + decode) token on a target (default 0.1; docs/router.md)")
     g.add_argument("--kv-overflow-weight", type=float, default=d.kv_overflow_weight,
                    help="kv_aware: cost per token of a request's KV that does not fit in a target's KV pool "
-                        "(from /v1/loads), times --kv-prefill-weight (default 1; 0: off; docs/router.md)")
+                        "(from /v1/loads), times --kv-prefill-weight (default 0: off; docs/router.md)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")

@@ -120,9 +120,8 @@ def _overflow(load: int, need: int, pool: int) -> int:
     target's KV pool of ``pool`` tokens beside the ``load`` tokens already held or promised there.
 
     Those tokens wait until running requests free their pages (or the engine retracts and
-    recomputes), so the cost counts them like uncached prefill tokens. Without this term a low
-    ``--kv-load-weight`` keeps piling one prefix's requests onto a worker whose pool is full, and
-    they queue there (docs/benchmarks.md, routing-kv-load-high) while other workers sit idle.
+    recomputes), so ``--kv-overflow-weight`` (default 0, off: it did not help on the simulated
+    workers, docs/router.md) counts them like uncached prefill tokens.
     """
     return max(0, load + need - pool)
 
@@ -134,7 +133,7 @@ class KvAwarePolicy:
 
     def __init__(self, prefill_weight: float = 1.0, load_weight: float = 0.1, speculative_ttl_s: float = 2.0,
                  max_blocks: int = 1 << 20, dp_aware: bool = False, tokenizer: RouterTokenizer | None = None,
-                 tokenize_threads: int = 2, route_header: bool = True, overflow_weight: float = 1.0) -> None:
+                 tokenize_threads: int = 2, route_header: bool = True, overflow_weight: float = 0.0) -> None:
         self.route_header = route_header
         self.overflow_weight = overflow_weight
         self.prefill_weight = prefill_weight
