@@ -252,9 +252,15 @@ class SimWorker:
         try:
             body = await self._body(req)
             msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
-                raise ValueError("messages must be a non-empty list of {role, content} objects")
-            ids = self.tok.encode_chat(msgs)
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), (str, list, type(None))) for m in msgs):
+                raise ValueError("messages must be a non-empty list of {role, content} objects "
+                                 "(role a string, content a string, a list of parts or null)")
+            try:
+                ids = self.tok.encode_chat(msgs)
+            except TypeError as e:  # a chat template that cannot render these parts: the request's fault
+                raise ValueError(f"messages: {e}") from None
             max_new = _positive_int(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None
                                     else "max_tokens", 128)
         except ValueError as e:

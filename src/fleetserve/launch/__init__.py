@@ -212,19 +212,24 @@ def curl_example(url: str, key: str | None) -> str:
 
 
 def router_tokenizer_args(args: argparse.Namespace, instance_args: list[str]) -> list[str]:
-    """``["--tokenizer-path", DIR]`` for a kv_aware router in front of engines, unless given in --router-args.
+    """``["--tokenizer-path", DIR]`` for a kv_aware router, unless given in --router-args.
 
-    DIR is the instances' ``--tokenizer-path`` / ``--model-path`` (a directory), or for a GGUF
-    (the built-in model too) the tokenizer directory the engine converts it to (made here if needed).
+    In front of engines DIR is the instances' ``--tokenizer-path`` / ``--model-path`` (a directory),
+    or for a GGUF (the built-in model too) the tokenizer directory the engine converts it to (made
+    here if needed). In front of sim workers run with ``--tokenizer smollm2`` it is the built-in
+    model's tokenizer (theirs); sims with their default ``word`` tokenizer get none: no router-side
+    tokenizer can give their ids, so kv_aware routes them on the text (``reason=text``).
     """
-    if effective_policy(args) != "kv_aware" or args.worker_kind != "engine":
+    if effective_policy(args) != "kv_aware":
         return []
     if _flag_value(shlex.split(args.router_args), "--tokenizer-path") is not None:
         return []
-    path = (_flag_value(instance_args, "--tokenizer-path") or _flag_value(instance_args, "--model-path")
-            or _flag_value(instance_args, "--model"))
     from fleetserve.models.tokenizer import tokenizer_dir
 
+    if args.worker_kind != "engine":
+        return ["--tokenizer-path", tokenizer_dir(None)] if _flag_value(instance_args, "--tokenizer") == "smollm2" else []
+    path = (_flag_value(instance_args, "--tokenizer-path") or _flag_value(instance_args, "--model-path")
+            or _flag_value(instance_args, "--model"))
     return ["--tokenizer-path", tokenizer_dir(path)]
 
 

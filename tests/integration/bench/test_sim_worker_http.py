@@ -99,6 +99,8 @@ async def test_errors_and_flush(workers):
     base = f"http://127.0.0.1:{PORT}"
     for path, body in (("/v1/completions", b"{nope"), ("/v1/completions", b'{"prompt": 5}'),
                        ("/v1/chat/completions", b'{"messages": []}'),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}'),
+                       ("/v1/chat/completions", b'{"messages": [{"role": 7, "content": "hi"}]}'),
                        ("/v1/completions", b'{"prompt": "a", "max_tokens": -1}'),
                        ("/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": true}}'),
                        ("/v1/completions", b'{"prompt": "a", "max_tokens": 10000000}')):

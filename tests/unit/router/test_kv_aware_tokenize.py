@@ -85,3 +85,9 @@ def test_launch_gives_a_kv_aware_router_the_built_in_models_tokenizer(smollm2_di
     assert router_tokenizer_args(args, rest) == []
     args, rest = build_parser().parse_known_args(["--model-path", "/m"])
     assert router_tokenizer_args(args, rest) == []  # cache_aware needs none
+    # sim workers: theirs when they run the SmolLM2 tokenizer, none for their default word tokenizer
+    args, rest = build_parser().parse_known_args(["--worker-kind", "sim", "--policy", "kv_aware",
+                                                  "--tokenizer", "smollm2"])
+    assert router_tokenizer_args(args, rest) == ["--tokenizer-path", smollm2_dir]
+    args, rest = build_parser().parse_known_args(["--worker-kind", "sim", "--policy", "kv_aware"])
+    assert router_tokenizer_args(args, rest) == []
