@@ -87,3 +87,21 @@ def free(runner, reqs: list[Req]) -> None:
     for r in reqs:
         runner.allocator.free(r.slots)
         r.slots = torch.zeros(0, dtype=torch.int64)
+
+
+def dp_agreed_forward(hook, runner, fb: ForwardBatch | None):
+    """One DP-attention step as the scheduler runs it: the rank's batch (``fb``; None: idle) goes
+    through ``hook`` (the DP-attention agreement), then ``runner.forward``.
+
+    Returns ``(batch, logits, key)``: the agreed batch, its logits and the graph runner's
+    ``last_key`` for this step (None: eager, or no graph runner).
+    """
+    from types import SimpleNamespace
+
+    wrapped = None if fb is None else SimpleNamespace(mode=fb.mode, num_tokens=fb.num_tokens,
+                                                      batch_size=fb.batch_size, forward_batch=fb)
+    batch = hook(SimpleNamespace(runner=runner), wrapped)
+    if runner.graph_runner is not None:
+        runner.graph_runner.last_key = None
+    logits = runner.forward(batch.forward_batch)
+    return batch, logits, runner.graph_runner.last_key if runner.graph_runner is not None else None

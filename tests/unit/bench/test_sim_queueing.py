@@ -85,35 +85,32 @@ async def test_token_budget_splits_admission_over_prefill_steps():
     assert e.stats["num_decode_steps"] == 3
 
 
+async def _queue_shape(m, reqs) -> tuple[dict, dict]:
+    """Submit ``reqs`` to a sim engine of ``m``; (load at the first token, stats at the end)."""
+    e = SimEngine(m)
+    e.start()
+    try:
+        for r in reqs:
+            e.submit(r)
+        await first_token(reqs[0])
+        load = e.load()
+        await asyncio.gather(*(finish(r) for r in reqs))
+    finally:
+        await e.stop()
+    return load, e.stats
+
+
 async def test_running_slots_and_kv_make_a_waiting_queue():
     # max 2 running: the third request queues until one of them finishes
-    m = model(max_running_requests=2)
     reqs = [req(str(i), [i * 10_000 + t for t in range(100)], out=6) for i in range(3)]
-    e = SimEngine(m)
-    e.start()
-    try:
-        for r in reqs:
-            e.submit(r)
-        await first_token(reqs[0])
-        assert e.load()["num_running_reqs"] == 2 and e.load()["num_waiting_reqs"] == 1
-        await asyncio.gather(*(finish(r) for r in reqs))
-    finally:
-        await e.stop()
-    assert e.stats["num_prefill_steps"] == 2
+    load, stats = await _queue_shape(model(max_running_requests=2), reqs)
+    assert load["num_running_reqs"] == 2 and load["num_waiting_reqs"] == 1
+    assert stats["num_prefill_steps"] == 2
     # KV: a pool that holds one request (prompt + output) at a time serialises them
-    m = model(max_total_tokens=300)
     reqs = [req(str(i), [i * 10_000 + t for t in range(150)], out=100) for i in range(3)]
-    e = SimEngine(m)
-    e.start()
-    try:
-        for r in reqs:
-            e.submit(r)
-        await first_token(reqs[0])
-        assert e.load()["num_running_reqs"] == 1 and e.load()["num_waiting_reqs"] == 2
-        await asyncio.gather(*(finish(r) for r in reqs))
-    finally:
-        await e.stop()
-    assert e.stats["num_prefill_steps"] == 3 and e.stats["num_decode_steps"] == 3 * 99
+    load, e_stats = await _queue_shape(model(max_total_tokens=300), reqs)
+    assert load["num_running_reqs"] == 1 and load["num_waiting_reqs"] == 2
+    assert e_stats["num_prefill_steps"] == 3 and e_stats["num_decode_steps"] == 3 * 99
 
 
 async def test_late_counts_the_wall_time_a_step_overran(monkeypatch):

@@ -36,16 +36,11 @@ def _runners(path, ps):
 
 def _dp_steps(runner, ps):
     """This rank's greedy tokens and, per step, the compiled runner's ``last_key`` (None: eager)."""
-    hook, sched, keys = dp_attention_hook(ps), SimpleNamespace(runner=runner), []
+    hook, keys = dp_attention_hook(ps), []
 
     def agreed_forward(fb):
-        wrapped = None if fb is None else SimpleNamespace(mode=fb.mode, num_tokens=fb.num_tokens,
-                                                          batch_size=fb.batch_size, forward_batch=fb)
-        batch = hook(sched, wrapped)
-        if runner.graph_runner is not None:
-            runner.graph_runner.last_key = None
-        logits = runner.forward(batch.forward_batch)
-        keys.append(runner.graph_runner.last_key if runner.graph_runner is not None else None)
+        _, logits, key = bd.dp_agreed_forward(hook, runner, fb)
+        keys.append(key)
         return logits
 
     driver = SimpleNamespace(allocator=runner.allocator, forward=agreed_forward)

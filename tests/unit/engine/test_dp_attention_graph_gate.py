@@ -21,17 +21,11 @@ def _steps(runner, hook, ps):
     import helpers.batch_driver as bd
 
     out = {"logits": [], "keys": [], "graph": []}
-    sched = SimpleNamespace(runner=runner)
 
     def agreed_forward(fb):
-        wrapped = None if fb is None else SimpleNamespace(mode=fb.mode, num_tokens=fb.num_tokens,
-                                                          batch_size=fb.batch_size, forward_batch=fb)
-        batch = hook(sched, wrapped)
-        if runner.graph_runner is not None:
-            runner.graph_runner.last_key = None
-        logits = runner.forward(batch.forward_batch)
+        batch, logits, key = bd.dp_agreed_forward(hook, runner, fb)
         out["graph"].append(batch.forward_batch.can_run_graph)
-        out["keys"].append(runner.graph_runner.last_key if runner.graph_runner is not None else None)
+        out["keys"].append(key)
         out["logits"].append(logits)
         return logits
 

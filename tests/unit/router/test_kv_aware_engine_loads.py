@@ -1,5 +1,6 @@
 """kv_aware's load correction from the engines' ``/v1/loads``: used while fresh, ignored when stale."""
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -19,6 +20,22 @@ def kv(states, **kw):
     for url, st in states.items():
         pol.subs[url] = {r: SimpleNamespace(state=s) for r, s in enumerate(st)}
     return pol
+
+
+@contextlib.asynccontextmanager
+async def one_loads_worker(start_app, handler):
+    """A worker answering ``GET /v1/loads`` with ``handler`` and a router stub that knows only it:
+    yields ``(url, router)``."""
+    import aiohttp
+
+    app = web.Application()
+    app.router.add_get("/v1/loads", handler)
+    runner, url = await start_app(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield url, SimpleNamespace(session=session, registry=SimpleNamespace(urls=lambda: [url]))
+    finally:
+        await runner.cleanup()
 
 
 def test_ranks_tokens_reads_num_total_tokens_per_rank():
@@ -136,8 +153,6 @@ def test_ended_requests_are_taken_off_their_own_rank_with_dp_aware():
 async def test_a_failed_poll_drops_the_snapshot_and_a_slow_worker_is_asked_again_next_time(start_app):
     import asyncio
 
-    import aiohttp
-
     answers = [(0, 500), (1.5, 900), (0, 0)]  # (delay in s, num_total_tokens) per call
 
     async def loads(_req):
@@ -145,22 +160,15 @@ async def test_a_failed_poll_drops_the_snapshot_and_a_slow_worker_is_asked_again
         await asyncio.sleep(delay)
         return web.json_response({"loads": [{"dp_rank": 0, "num_total_tokens": n}]})
 
-    app = web.Application()
-    app.router.add_get("/v1/loads", loads)
-    runner, url = await start_app(app)
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, registry=SimpleNamespace(urls=lambda: [url]))
-            el = EngineLoads(0.2)  # each ask times out after 0.5 s
-            await el.poll(router)
-            assert el.tokens(url, None) == 500
-            await el.poll(router)  # too slow: the 500 of before is not kept as if it were still true
-            assert el.tokens(url, None) is None and url not in el.snapshots
-            assert (el.polls, el.failures) == (2, 1)
-            await el.poll(router)  # a slow worker has the endpoint: asked again at the next interval
-            assert el.tokens(url, None) == 0 and (el.polls, el.failures) == (3, 1)
-    finally:
-        await runner.cleanup()
+    async with one_loads_worker(start_app, loads) as (url, router):
+        el = EngineLoads(0.2)  # each ask times out after 0.5 s
+        await el.poll(router)
+        assert el.tokens(url, None) == 500
+        await el.poll(router)  # too slow: the 500 of before is not kept as if it were still true
+        assert el.tokens(url, None) is None and url not in el.snapshots
+        assert (el.polls, el.failures) == (2, 1)
+        await el.poll(router)  # a slow worker has the endpoint: asked again at the next interval
+        assert el.tokens(url, None) == 0 and (el.polls, el.failures) == (3, 1)
 
 
 def test_taken_at_is_the_oldest_entry_timestamp():
@@ -198,25 +206,17 @@ async def test_poll_reads_the_engines_timestamp_for_freshness(start_app):
     async def loads(_req):
         return web.json_response({"loads": [{"dp_rank": 0, "timestamp": stamp[0], "num_total_tokens": 77}]})
 
-    app = web.Application()
-    app.router.add_get("/v1/loads", loads)
-    runner, url = await start_app(app)
-    import aiohttp
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, registry=SimpleNamespace(urls=lambda: [url]))
-            el = EngineLoads(0.5)
-            await el.poll(router)
-            assert el.tokens(url, None) == 77  # taken just now
-            stamp[0] = time.time() - 10.0  # the engine serves a figure 10 s old (e.g. a cached one)
-            await el.poll(router)
-            assert el.tokens(url, None) is None and url in el.snapshots  # answered, but stale
-            stamp[0] = time.time() + 30.0  # a clock ahead of ours: taken on arrival, not in the future
-            await el.poll(router)
-            assert el.tokens(url, None) == 77
-            assert el.snapshots[url][3] == el.snapshots[url][0]
-    finally:
-        await runner.cleanup()
+    async with one_loads_worker(start_app, loads) as (url, router):
+        el = EngineLoads(0.5)
+        await el.poll(router)
+        assert el.tokens(url, None) == 77  # taken just now
+        stamp[0] = time.time() - 10.0  # the engine serves a figure 10 s old (e.g. a cached one)
+        await el.poll(router)
+        assert el.tokens(url, None) is None and url in el.snapshots  # answered, but stale
+        stamp[0] = time.time() + 30.0  # a clock ahead of ours: taken on arrival, not in the future
+        await el.poll(router)
+        assert el.tokens(url, None) == 77
+        assert el.snapshots[url][3] == el.snapshots[url][0]
 
 
 def test_ranks_capacity_reads_max_total_num_tokens_per_rank():
