@@ -11,7 +11,9 @@ serve``, or ``fleetserve sim-worker`` with ``--worker-kind sim``); ``--host``
 and the ports are set here: the router listens on ``--port``, instance ``i`` on
 ``--worker-base-port + i``. Extra router flags go in ``--router-args "..."``.
 A ``--kv-events-config`` is given to instance ``i`` with its endpoints' ports moved up by
-``i x`` the instance's DP size, so that no two instances bind the same port (``launch/kv_ports.py``).
+``i x`` the instance's DP size, so that no two instances bind the same port (``launch/kv_ports.py``);
+every port the launch will listen on (router, instances, their KV-event and replay sockets) is
+checked for collisions before anything starts (``launch/port_plan.py``).
 
 Life cycle:
 
@@ -60,6 +62,7 @@ from pathlib import Path
 
 from fleetserve.launch.kv_ports import check_kv_event_ports, instance_kv_events_args
 from fleetserve.launch.output import child_env, start_copy
+from fleetserve.launch.port_plan import first_collision, plan
 
 
 def _die_with_launch(launch_pid: int):
@@ -391,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         print(f"[launch] --port 0: the router will listen on port {args.port}", flush=True)
-    bad = check_ports(args) or check_kv_event_ports(instance_args, args.workers)
+    bad = (check_ports(args) or check_kv_event_ports(instance_args, args.workers)
+           or first_collision(plan(args.host, args.port, args.worker_base_port, args.workers, instance_args)))
     if bad:
         print(f"fleetserve launch: {bad}", file=sys.stderr)
         return 2
