@@ -123,3 +123,15 @@ def test_good_router_flags_pass_and_a_prometheus_port_joins_the_port_check(monke
     assert capsys.readouterr().err.strip() == (
         f"fleetserve launch: --worker-base-port: worker1's HTTP port would listen on port {base + 1}, which is "
         f"already the router's metrics port (--router-args --prometheus-port); every port of the launch must differ")
+
+
+def test_router_flags_the_policy_does_not_read_are_said_before_anything_starts(monkeypatch, capsys):
+    from helpers.kv_events_sub import free_port_block
+
+    started = []
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: started.append(self) or 0)
+    code = launch.main(["--worker-kind", "sim", "--workers", "1", "--port", "0", "--worker-base-port",
+                        str(free_port_block(1)), "--policy", "round_robin", "--router-args=--kv-load-weight 0.5"])
+    assert (code, len(started)) == (0, 1)
+    assert ("[launch] warning: --router-args: --kv-load-weight has no effect under --policy round_robin (read only "
+            "under kv_aware)\n") in capsys.readouterr().out

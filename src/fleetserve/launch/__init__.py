@@ -409,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     router = {}
     if not bad:  # the router's own flag checks, in a child process that starts nothing (launch/router_check.py)
         bad, router = check_router_args(router_argv(args, instance_args))
+    for line in router.get("warnings", ()):  # the router logs them too, once it starts
+        print(f"[launch] warning: --router-args: {line}", flush=True)
     if not bad:
         metrics = (router["prometheus_host"], router["prometheus_port"]) if router.get("prometheus_port") else None
         bad = first_collision(plan(args.host, args.port, args.worker_base_port, args.workers, instance_args,

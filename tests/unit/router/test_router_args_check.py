@@ -12,7 +12,10 @@ from fleetserve.router import args_check
 def test_good_flags_print_what_launch_needs(capsys):
     assert args_check.main(["--policy", "kv_aware", "--prometheus-port", "9100"]) == 0
     assert json.loads(capsys.readouterr().out) == {"policy": "kv_aware", "prometheus_host": "127.0.0.1",
-                                                   "prometheus_port": 9100}
+                                                   "prometheus_port": 9100, "warnings": []}
+    assert args_check.main(["--policy", "random", "--kv-load-weight", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == [
+        "--kv-load-weight has no effect under --policy random (read only under kv_aware)"]
 
 
 def test_a_bad_flag_exits_2_with_the_router_parsers_line(capsys):
