@@ -238,6 +238,7 @@ class SimWorker:
     async def completions(self, req: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(req)
+            request = parse_model(CompletionRequest, body)  # the engine's body checks: its errors
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
@@ -248,9 +249,9 @@ class SimWorker:
                 ids = list(prompt)
             else:
                 raise ValueError("prompt must be a non-empty string or a list of token ids")
-            # the engine's own checks of the body and its sampling values (entrypoints/validation.py)
-            sp = completion_sampling(parse_model(CompletionRequest, body), prompt_len=len(ids),
-                                     vocab_size=self.tok.vocab_size, context_length=None)
+            # the engine's own checks of the sampling values (entrypoints/validation.py)
+            sp = completion_sampling(request, prompt_len=len(ids), vocab_size=self.tok.vocab_size,
+                                     context_length=None)
             max_new = 16 if sp.max_new_tokens is None else sp.max_new_tokens
         except APIError as e:
             return _api_error(e)
@@ -261,6 +262,7 @@ class SimWorker:
     async def chat(self, req: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(req)
+            request = parse_model(ChatCompletionRequest, body)  # the engine's body checks: its errors
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -271,8 +273,7 @@ class SimWorker:
                 ids = self.tok.encode_chat(msgs)
             except TypeError as e:  # a chat template that cannot render these parts: the request's fault
                 raise ValueError(f"messages: {e}") from None
-            sp = chat_sampling(parse_model(ChatCompletionRequest, body), prompt_len=len(ids),
-                               vocab_size=self.tok.vocab_size, context_length=None)
+            sp = chat_sampling(request, prompt_len=len(ids), vocab_size=self.tok.vocab_size, context_length=None)
             max_new = 128 if sp.max_new_tokens is None else sp.max_new_tokens
         except APIError as e:
             return _api_error(e)

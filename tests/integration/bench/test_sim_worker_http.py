@@ -127,6 +127,8 @@ def _engine_error(path: str, body: dict, prompt_len: int) -> dict:
     from fleetserve.entrypoints.validation import chat_sampling, completion_sampling, native_sampling
 
     try:
+        if path == "/v1/chat/completions" and body["messages"][0]["role"] == "wizard":
+            parse_model(ChatCompletionRequest, body)
         if path == "/generate":
             native_sampling(body["sampling_params"], prompt_len=prompt_len, vocab_size=1 << 31, context_length=None)
         elif path == "/v1/completions":
@@ -151,6 +153,7 @@ BAD_SAMPLING = [
     ("/v1/chat/completions", {"messages": USER, "top_k": -7}, "top_k"),
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": USER, "presence_penalty": 9}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ("/generate", {"text": "a b", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ("/generate", {"text": "a b", "sampling_params": {"max_new_tokens": -5}}, "sampling_params.max_new_tokens"),
     ("/generate", {"text": "a b", "sampling_params": {"temp": 1}}, "sampling_params.temp"),
