@@ -136,3 +136,22 @@ def test_port_plan_lists_every_bound_port_and_knows_hosts():
     replay = ["--kv-events-config", '{"publisher":"zmq","endpoint":"tcp://10.0.0.1:1","replay_endpoint":"tcp://10.0.0.2:31001"}']
     assert first_collision(plan("127.0.0.1", 30000, 31000, 2, replay)) is None
     assert "worker1's HTTP port" in first_collision(plan("0.0.0.0", 30000, 31000, 2, replay))
+
+
+def test_a_kv_port_another_program_holds_is_refused_before_any_start(monkeypatch, capsys):
+    import socket
+
+    from helpers.kv_events_sub import free_port_block
+
+    base = free_port_block(1)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        cfg = '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:9","replay_endpoint":"tcp://*:%d"}' % taken
+        code, err = _refused(monkeypatch, capsys, ["--worker-kind", "sim", "--workers", "1", "--port", "0",
+                                                   "--worker-base-port", str(base), "--kv-events-config", cfg])
+    assert code == 2
+    line = err.strip()
+    assert "\n" not in line and line.startswith(
+        f"fleetserve launch: --kv-events-config: worker0's replay_endpoint (DP rank 0) {taken}: cannot listen on ")

@@ -63,7 +63,7 @@ from pathlib import Path
 
 from fleetserve.launch.kv_ports import check_kv_event_ports, instance_kv_events_args
 from fleetserve.launch.output import child_env, start_copy
-from fleetserve.launch.port_plan import first_collision, plan
+from fleetserve.launch.port_plan import first_busy, first_collision, plan
 from fleetserve.launch.router_check import check_router_args
 
 
@@ -413,8 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[launch] warning: --router-args: {line}", flush=True)
     if not bad:
         metrics = (router["prometheus_host"], router["prometheus_port"]) if router.get("prometheus_port") else None
-        bad = first_collision(plan(args.host, args.port, args.worker_base_port, args.workers, instance_args,
-                                   prometheus=metrics))
+        ports = plan(args.host, args.port, args.worker_base_port, args.workers, instance_args, prometheus=metrics)
+        bad = first_collision(ports) or first_busy(ports)
     if bad:
         print(f"fleetserve launch: {bad}", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@ The plan lists, per owner: the router's ``--port`` (and its ``--prometheus-port`
 Two entries collide when they have the same port and their hosts overlap (the same host, or
 either one a wildcard: ``*``, ``0.0.0.0``, ``::``, empty); then the launch is refused with one
 line naming the flag of the later entry, and which earlier one it meets. Without this check
-the second owner would die only when it starts (minutes into a launch of engines).
+the second owner would die only when it starts (minutes into a launch of engines). A KV-event
+port that another program holds now is refused the same way (:func:`first_busy`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ def plan(host: str, router_port: int, worker_base_port: int, workers: int, insta
     ports += [PlannedPort("--worker-base-port", f"worker{i}'s HTTP port", host, worker_base_port + i)
               for i in range(workers)]
     return ports + kv_event_ports(instance_args, workers)
+
+
+def first_busy(ports: list[PlannedPort]) -> str | None:
+    """One line naming the flag of the first KV-event port that cannot be bound now (another program
+    holds it); None if all can. The HTTP ports are checked by ``launch.check_ports``."""
+    from fleetserve.entrypoints.ports import port_busy_error
+
+    for p in ports:
+        if p.flag == FLAG:
+            busy = port_busy_error(f"{FLAG}: {p.owner}", "0.0.0.0" if p.host in WILDCARDS else p.host, p.port)
+            if busy:
+                return busy
+    return None
 
 
 def first_collision(ports: list[PlannedPort]) -> str | None:
