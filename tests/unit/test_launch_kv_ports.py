@@ -90,7 +90,7 @@ def _refused(monkeypatch, capsys, argv):
     ('{"publisher":"zmq","endpoint":"tcp://*:%d","replay_endpoint":"tcp://*:%d"}', 1, "worker0's replay_endpoint"),
     # with 2 DP ranks, worker0's rank 1 publishes on P + 1, its own rank 0's replay port
     ('{"publisher":"zmq","endpoint":"tcp://*:%d","replay_endpoint":"tcp://*:%d"}', 2, "worker0's endpoint (DP rank 1)"),
-])
+], ids=["another instance", "another DP rank"])
 def test_a_replay_port_on_another_instances_endpoint_is_refused_before_any_start(monkeypatch, capsys, kv, dp, clash):
     from helpers.kv_events_sub import free_port_block
 

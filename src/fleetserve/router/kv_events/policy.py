@@ -29,7 +29,7 @@ Lowest cost wins; ties go to the fewest in-flight requests, then to the target t
 chose least recently (one never chosen first; among those, registration order).  So sequential
 new prompts with nothing in flight and nothing cached spread over the workers in turn instead of
 all going to the first one (sglang-router's cache_aware spreads such misses to its smallest tree;
-its PR #6164 added a round-robin tie breaker for the same reason).  The scoring follows NVIDIA Dynamo's KV router (overlap blocks vs.
+its PR #6164 proposed a round-robin tie breaker for the same reason).  The scoring follows NVIDIA Dynamo's KV router (overlap blocks vs.
 active blocks, ``kv_overlap_score_weight``) and llm-d's precise prefix-cache
 scorer; the weights and units (tokens, not blocks) are ours.
 
