@@ -53,13 +53,13 @@ from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
 from fleetserve.bench.sim_tokenizer import make_tokenizer
 from fleetserve.engine.kv_events.config import parse_kv_events_config
 from fleetserve.engine.kv_events.publisher import make_publisher
+from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.load_view import (
     LoadsQueryError, legacy_load, loads_body, loads_prometheus, parse_loads_query, select_ranks,
 )
 from fleetserve.entrypoints.metrics import CONTENT_TYPE
-from fleetserve.entrypoints.ports import port_range_error
-from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from fleetserve.entrypoints.ports import port_range_error
 from fleetserve.entrypoints.request_parse import parse_model
 from fleetserve.entrypoints.server_info import router_discovery_fields
 from fleetserve.entrypoints.validation import chat_sampling, completion_sampling, native_sampling
