@@ -74,3 +74,64 @@ def test_picked_router_port_is_free_and_not_an_instance_port():
     port = launch.pick_router_port("127.0.0.1", range(31000, 31002))
     assert 1 <= port <= 65535 and port not in range(31000, 31002)
     assert port_busy_error("--port", "127.0.0.1", port) is None
+
+
+# ------------------------------------------- --router-args: checked by the router's own parser first
+
+def _main(monkeypatch, capsys, router_args: str):
+    """``launch.main`` of 2 sim instances with ``--router-args router_args``: (exit code, stderr, started?)."""
+    from helpers.kv_events_sub import free_port_block
+
+    started = []
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: started.append(self) or 0)
+    base = free_port_block(2)
+    code = launch.main(["--worker-kind", "sim", "--workers", "2", "--port", "0", "--worker-base-port", str(base),
+                        f"--router-args={router_args}"])
+    return code, capsys.readouterr().err.strip(), bool(started), base
+
+
+@pytest.mark.parametrize("router_args,line", [
+    ("--cache-threshold 2", "--router-args: --cache-threshold must be in [0, 1]"),
+    ("--cache-threshold x", "--router-args: argument --cache-threshold: invalid float value: 'x'"),
+    ("--policy nope", "--router-args: argument --policy: invalid choice: 'nope' (choose from "),  # + the list
+    ("--pd-disaggregation", "--router-args: --pd-disaggregation is not supported by fleetserve router"),
+    ("--queue-size 5", "--router-args: --queue-size needs --max-concurrent-requests N (N >= 1): without a limit "
+                       "nothing is queued or rate limited"),
+    ("--no-such-flag 1", "--router-args: unrecognized arguments: --no-such-flag 1"),
+    ("--api-key 'unclosed", "--router-args: No closing quotation: \"--api-key 'unclosed\""),
+])
+def test_a_bad_router_flag_is_refused_before_any_instance_starts(monkeypatch, capsys, router_args, line):
+    code, err, started, _ = _main(monkeypatch, capsys, router_args)
+    assert (code, started) == (2, False)
+    assert "\n" not in err
+    assert err == f"fleetserve launch: {line}" or line.endswith("(choose from ") and err.startswith(
+        f"fleetserve launch: {line}")  # argparse quotes the choices or not, by Python version
+
+
+def test_good_router_flags_pass_and_a_prometheus_port_joins_the_port_check(monkeypatch, capsys):
+    code, err, started, _ = _main(monkeypatch, capsys, "--cache-threshold 0.5 --max-concurrent-requests 4")
+    assert (code, err, started) == (0, "", True)
+    code, err, started, base = _main(monkeypatch, capsys, "--prometheus-port 0")  # 0: any free port, no clash
+    assert (code, started) == (0, True)
+    from helpers.kv_events_sub import free_port_block
+
+    base = free_port_block(2)
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: 0)
+    code = launch.main(["--worker-kind", "sim", "--workers", "2", "--port", "0", "--worker-base-port", str(base),
+                        f"--router-args=--prometheus-port {base + 1}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"fleetserve launch: --worker-base-port: worker1's HTTP port would listen on port {base + 1}, which is "
+        f"already the router's metrics port (--router-args --prometheus-port); every port of the launch must differ")
+
+
+def test_router_flags_the_policy_does_not_read_are_said_before_anything_starts(monkeypatch, capsys):
+    from helpers.kv_events_sub import free_port_block
+
+    started = []
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: started.append(self) or 0)
+    code = launch.main(["--worker-kind", "sim", "--workers", "1", "--port", "0", "--worker-base-port",
+                        str(free_port_block(1)), "--policy", "round_robin", "--router-args=--kv-load-weight 0.5"])
+    assert (code, len(started)) == (0, 1)
+    assert ("[launch] warning: --router-args: --kv-load-weight has no effect under --policy round_robin (read only "
+            "under kv_aware)\n") in capsys.readouterr().out

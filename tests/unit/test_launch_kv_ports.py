@@ -71,3 +71,87 @@ def test_launcher_commands_carry_each_instance_its_own_config(kind):
         ["--worker-kind", kind, "--workers", "2", "--kv-events-config", CFG])
     workers = launch.Launcher(args, rest).workers
     assert [_cfg(w.cmd)["endpoint"] for w in workers] == ["tcp://*:6000", "tcp://*:6001"]
+
+
+# ------------------------------------------------ every port of the launch, checked before any start
+
+def _refused(monkeypatch, capsys, argv):
+    """``launch.main(argv)``'s exit code and stderr; fails the test if it gets as far as starting a child."""
+    def no_start(self):
+        raise AssertionError("launch started its children despite a port collision")
+
+    monkeypatch.setattr(launch.Launcher, "run", no_start)
+    code = launch.main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv,dp,clash", [
+    # worker1's endpoint (P + 1) is worker0's replay port
+    ('{"publisher":"zmq","endpoint":"tcp://*:%d","replay_endpoint":"tcp://*:%d"}', 1, "worker0's replay_endpoint"),
+    # with 2 DP ranks, worker0's rank 1 publishes on P + 1, its own rank 0's replay port
+    ('{"publisher":"zmq","endpoint":"tcp://*:%d","replay_endpoint":"tcp://*:%d"}', 2, "worker0's endpoint (DP rank 1)"),
+], ids=["another instance", "another DP rank"])
+def test_a_replay_port_on_another_instances_endpoint_is_refused_before_any_start(monkeypatch, capsys, kv, dp, clash):
+    from helpers.kv_events_sub import free_port_block
+
+    base, p = free_port_block(2), free_port_block(8)
+    cfg = kv % (p, p + 1)
+    code, err = _refused(monkeypatch, capsys, ["--worker-kind", "sim", "--workers", "2", "--port", "0",
+                                               "--worker-base-port", str(base), "--dp-size", str(dp),
+                                               "--kv-events-config", cfg])
+    assert code == 2
+    line = err.strip()
+    assert "\n" not in line and line.startswith("fleetserve launch: --kv-events-config: ")
+    assert clash in line and f"port {p + 1}" in line
+
+
+def test_a_kv_port_on_an_instance_http_port_is_refused(monkeypatch, capsys):
+    from helpers.kv_events_sub import free_port_block
+
+    base = free_port_block(2)
+    cfg = '{"publisher":"zmq","endpoint":"tcp://*:%d"}' % (base + 1)  # worker0 publishes on worker1's HTTP port
+    code, err = _refused(monkeypatch, capsys, ["--worker-kind", "sim", "--workers", "2", "--port", "0",
+                                               "--worker-base-port", str(base), "--kv-events-config", cfg])
+    assert code == 2
+    assert err.strip() == (f"fleetserve launch: --kv-events-config: worker0's endpoint (DP rank 0) would listen on "
+                           f"port {base + 1}, which is already worker1's HTTP port (--worker-base-port); every "
+                           f"port of the launch must differ")
+
+
+def test_port_plan_lists_every_bound_port_and_knows_hosts():
+    from fleetserve.launch.port_plan import first_collision, kv_event_ports, plan
+
+    argv = ["--dp-size", "2", "--kv-events-config",
+            '{"publisher":"zmq","endpoint":"tcp://*:6000","replay_endpoint":"tcp://127.0.0.1:6100"}']
+    got = [(p.owner, p.host, p.port) for p in kv_event_ports(argv, 2)]
+    assert got == [("worker0's endpoint (DP rank 0)", "*", 6000), ("worker0's replay_endpoint (DP rank 0)", "127.0.0.1", 6100),
+                   ("worker0's endpoint (DP rank 1)", "*", 6001), ("worker0's replay_endpoint (DP rank 1)", "127.0.0.1", 6101),
+                   ("worker1's endpoint (DP rank 0)", "*", 6002), ("worker1's replay_endpoint (DP rank 0)", "127.0.0.1", 6102),
+                   ("worker1's endpoint (DP rank 1)", "*", 6003), ("worker1's replay_endpoint (DP rank 1)", "127.0.0.1", 6103)]
+    assert first_collision(plan("127.0.0.1", 30000, 31000, 2, argv)) is None
+    # a PUB on a named host connects (to a collector): it takes no local port
+    connect = ["--kv-events-config", '{"publisher":"zmq","endpoint":"tcp://10.0.0.1:31000"}']
+    assert kv_event_ports(connect, 2) == []
+    # the same port on two different named hosts does not collide; a wildcard meets every host
+    replay = ["--kv-events-config", '{"publisher":"zmq","endpoint":"tcp://10.0.0.1:1","replay_endpoint":"tcp://10.0.0.2:31001"}']
+    assert first_collision(plan("127.0.0.1", 30000, 31000, 2, replay)) is None
+    assert "worker1's HTTP port" in first_collision(plan("0.0.0.0", 30000, 31000, 2, replay))
+
+
+def test_a_kv_port_another_program_holds_is_refused_before_any_start(monkeypatch, capsys):
+    import socket
+
+    from helpers.kv_events_sub import free_port_block
+
+    base = free_port_block(1)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        cfg = '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:9","replay_endpoint":"tcp://*:%d"}' % taken
+        code, err = _refused(monkeypatch, capsys, ["--worker-kind", "sim", "--workers", "1", "--port", "0",
+                                                   "--worker-base-port", str(base), "--kv-events-config", cfg])
+    assert code == 2
+    line = err.strip()
+    assert "\n" not in line and line.startswith(
+        f"fleetserve launch: --kv-events-config: worker0's replay_endpoint (DP rank 0) {taken}: cannot listen on ")

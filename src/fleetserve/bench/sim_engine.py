@@ -299,6 +299,7 @@ class SimEngine:
         r._own_slots = r._own_slots[int(tree_slots.numel()) - r.cached_tokens:]
 
     def _emit(self, r: SimRequest, n: int) -> None:
+        n = min(n, r.max_new_tokens - r.generated)  # max_new_tokens 0 (SGLang's /generate allows it): none
         r.generated += n
         self.stats["generation_tokens"] += n
         done = r.generated >= r.max_new_tokens

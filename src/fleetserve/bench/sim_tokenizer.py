@@ -49,6 +49,7 @@ class WordTokenizer:
     """One token per whitespace-separated word; ids are 31-bit CRC-32 values."""
 
     name = "word"
+    vocab_size = 1 << 31  # ids are 31-bit values (for the engine's stop_token_ids check)
 
     def encode(self, text: str) -> list[int]:
         return [zlib.crc32(w.encode()) & 0x7FFFFFFF for w in _WORD.findall(text)]
@@ -80,6 +81,7 @@ class HFTokenizer:
         d = list(spec.submodule_search_locations)[0]
         self.tok = AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
         self._word_ids = [self.tok.encode(" " + w, add_special_tokens=False) for w in VOCAB]
+        self.vocab_size = len(self.tok)
         assert os.path.isdir(d)
 
     def encode(self, text: str) -> list[int]:

@@ -25,6 +25,11 @@ without one the worker takes its ranks in turn (SGLang's default round-robin
 DP balancer). Rank ``r`` of worker ``i`` publishes KV events on the endpoints'
 ports + ``i * D + r``.
 
+Bad input: the body and its sampling values go through the engine's own checks
+(:func:`fleetserve.entrypoints.request_parse.parse_model` with the engine's pydantic request
+models, then :mod:`fleetserve.entrypoints.validation`), so a bad value gets the engine's 400
+(same message and ``param``); the values are checked, not applied (the output is synthetic).
+
 Worker identity: every response carries the header ``X-Fleetserve-Worker`` and
 a top-level ``"worker_id"`` field (in the usage chunk when streaming), so the
 bench can attribute hits to workers through any router.
@@ -48,12 +53,16 @@ from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
 from fleetserve.bench.sim_tokenizer import make_tokenizer
 from fleetserve.engine.kv_events.config import parse_kv_events_config
 from fleetserve.engine.kv_events.publisher import make_publisher
+from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.load_view import (
     LoadsQueryError, legacy_load, loads_body, loads_prometheus, parse_loads_query, select_ranks,
 )
 from fleetserve.entrypoints.metrics import CONTENT_TYPE
+from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from fleetserve.entrypoints.ports import port_range_error
+from fleetserve.entrypoints.request_parse import parse_model
 from fleetserve.entrypoints.server_info import router_discovery_fields
+from fleetserve.entrypoints.validation import chat_sampling, completion_sampling, native_sampling
 
 WORKER_HEADER = "X-Fleetserve-Worker"
 
@@ -64,13 +73,9 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
                              status=status)
 
 
-def _positive_int(body: dict, key: str, default: int) -> int:
-    v = body.get(key, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{key} must be a positive integer")
-    return v
+def _api_error(e: APIError) -> web.Response:
+    """The engine's error body for ``e`` (``fleetserve.entrypoints.errors.APIError``), same status."""
+    return web.json_response(e.to_dict(), status=e.status)
 
 
 class SimWorker:
@@ -233,6 +238,7 @@ class SimWorker:
     async def completions(self, req: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(req)
+            request = parse_model(CompletionRequest, body)  # the engine's body checks: its errors
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
@@ -243,7 +249,12 @@ class SimWorker:
                 ids = list(prompt)
             else:
                 raise ValueError("prompt must be a non-empty string or a list of token ids")
-            max_new = _positive_int(body, "max_tokens", 16)
+            # the engine's own checks of the sampling values (entrypoints/validation.py)
+            sp = completion_sampling(request, prompt_len=len(ids), vocab_size=self.tok.vocab_size,
+                                     context_length=None)
+            max_new = 16 if sp.max_new_tokens is None else sp.max_new_tokens
+        except APIError as e:
+            return _api_error(e)
         except ValueError as e:
             return _error(400, str(e))
         return await self._serve_openai(req, body, ids, max_new, chat=False)
@@ -251,6 +262,7 @@ class SimWorker:
     async def chat(self, req: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(req)
+            request = parse_model(ChatCompletionRequest, body)  # the engine's body checks: its errors
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -261,8 +273,10 @@ class SimWorker:
                 ids = self.tok.encode_chat(msgs)
             except TypeError as e:  # a chat template that cannot render these parts: the request's fault
                 raise ValueError(f"messages: {e}") from None
-            max_new = _positive_int(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None
-                                    else "max_tokens", 128)
+            sp = chat_sampling(request, prompt_len=len(ids), vocab_size=self.tok.vocab_size, context_length=None)
+            max_new = 128 if sp.max_new_tokens is None else sp.max_new_tokens
+        except APIError as e:
+            return _api_error(e)
         except ValueError as e:
             return _error(400, str(e))
         return await self._serve_openai(req, body, ids, max_new, chat=True)
@@ -280,7 +294,10 @@ class SimWorker:
             sp = body.get("sampling_params") or {}
             if not isinstance(sp, dict):
                 raise ValueError("sampling_params must be an object")
-            max_new = _positive_int(sp, "max_new_tokens", 128)
+            checked = native_sampling(sp, prompt_len=len(ids), vocab_size=self.tok.vocab_size, context_length=None)
+            max_new = 128 if checked.max_new_tokens is None else checked.max_new_tokens  # 0: SGLang allows it
+        except APIError as e:
+            return _api_error(e)
         except ValueError as e:
             return _error(400, str(e))
         try:

@@ -214,8 +214,23 @@ def completion_sampling(req: CompletionRequest, *, prompt_len: int, vocab_size: 
         raise _grammar_param(req, e) from e.__cause__
 
 
+def check_openai_max_tokens(value: Any, param: str, echo: bool = False) -> None:
+    """OpenAI's and vLLM's floor on the output length: a given ``max_tokens`` /
+    ``max_completion_tokens`` below 1 is a 400 naming ``param`` (vLLM's message,
+    ``max_tokens must be at least 1, got 0.``, from ``SamplingParams._verify_args``).
+
+    ``echo=True`` with ``max_tokens`` 0 on ``/v1/completions`` stays allowed: the prompt
+    comes back (with its logprobs) and nothing is generated, vLLM's "echo without
+    generation" (``CompletionRequest.to_sampling_params``). SGLang's ``max_new_tokens`` 0
+    on ``/generate`` is not checked here (SGLang allows it).
+    """
+    if _is_int(value) and value < 1 and not (echo and value == 0):
+        raise APIError(f"{param} must be at least 1, got {value}.", 400, param)
+
+
 def _completion_sampling(req: CompletionRequest, prompt_len: int, vocab_size: int,
                          context_length: int) -> SamplingParams:
+    check_openai_max_tokens(req.max_tokens, "max_tokens", echo=bool(req.echo))
     return fit_sampling({**openai_sampling_fields(req), "max_new_tokens": req.max_tokens}, prompt_len=prompt_len,
                         vocab_size=vocab_size, context_length=context_length, max_tokens_param="max_tokens",
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -233,6 +248,8 @@ def chat_sampling(req: ChatCompletionRequest, *, prompt_len: int, vocab_size: in
 
 def _chat_sampling(req: ChatCompletionRequest, prompt_len: int, vocab_size: int,
                    context_length: int) -> SamplingParams:
+    for param in ("max_completion_tokens", "max_tokens"):
+        check_openai_max_tokens(getattr(req, param), param)
     newer = req.max_completion_tokens is not None
     return fit_sampling({**openai_sampling_fields(req),
                          "max_new_tokens": req.max_completion_tokens if newer else req.max_tokens},

@@ -11,7 +11,10 @@ serve``, or ``fleetserve sim-worker`` with ``--worker-kind sim``); ``--host``
 and the ports are set here: the router listens on ``--port``, instance ``i`` on
 ``--worker-base-port + i``. Extra router flags go in ``--router-args "..."``.
 A ``--kv-events-config`` is given to instance ``i`` with its endpoints' ports moved up by
-``i x`` the instance's DP size, so that no two instances bind the same port (``launch/kv_ports.py``).
+``i x`` the instance's DP size, so that no two instances bind the same port (``launch/kv_ports.py``);
+every port the launch will listen on (router, instances, their KV-event and replay sockets) is
+checked for collisions before anything starts (``launch/port_plan.py``), and so are the router's
+flags (``launch/router_check.py``: the router's own parser and checks, in a child process).
 
 Life cycle:
 
@@ -60,6 +63,8 @@ from pathlib import Path
 
 from fleetserve.launch.kv_ports import check_kv_event_ports, instance_kv_events_args
 from fleetserve.launch.output import child_env, start_copy
+from fleetserve.launch.port_plan import first_busy, first_collision, plan
+from fleetserve.launch.router_check import check_router_args
 
 
 def _die_with_launch(launch_pid: int):
@@ -233,6 +238,13 @@ def router_tokenizer_args(args: argparse.Namespace, instance_args: list[str]) ->
     return ["--tokenizer-path", tokenizer_dir(path)]
 
 
+def router_argv(args: argparse.Namespace, instance_args: list[str]) -> list[str]:
+    """The router's flags (after ``fleetserve router``): launch's own, then ``--router-args`` (which win)."""
+    urls = [f"http://{args.host}:{args.worker_base_port + i}" for i in range(args.workers)]
+    return ["--host", args.host, "--port", str(args.port), "--policy", args.policy, "--worker-urls", *urls,
+            *router_tokenizer_args(args, instance_args), *shlex.split(args.router_args)]
+
+
 # The example printed once the fleet is up: greedy (temperature 0) so that the first answer
 # shows the model at its best; the line after it says how to sample.
 EXAMPLE_BODY = ('{"messages":[{"role":"user","content":"What is the capital of France?"}],'
@@ -271,9 +283,7 @@ class Launcher:
             self.workers.append(Child(f"worker{i}", cmd, f"http://{args.host}:{port}",
                                       log=log_dir / f"worker{i}.log" if log_dir else None))
         self.router_url = f"http://{args.host}:{args.port}"
-        rcmd = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
-                     "--worker-urls", *[w.url for w in self.workers], *router_tokenizer_args(args, instance_args),
-                     *shlex.split(args.router_args)]
+        rcmd = py + ["router", *router_argv(args, instance_args)]
         self.router = Child("router", rcmd, self.router_url, log=log_dir / "router.log" if log_dir else None)
 
     # ---------------------------------------------------------------- helpers
@@ -392,6 +402,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"[launch] --port 0: the router will listen on port {args.port}", flush=True)
     bad = check_ports(args) or check_kv_event_ports(instance_args, args.workers)
+    try:
+        shlex.split(args.router_args)
+    except ValueError as e:  # e.g. an unclosed quote
+        bad = bad or f"--router-args: {e}: {args.router_args!r}"
+    router = {}
+    if not bad:  # the router's own flag checks, in a child process that starts nothing (launch/router_check.py)
+        bad, router = check_router_args(router_argv(args, instance_args))
+    for line in router.get("warnings", ()):  # the router logs them too, once it starts
+        print(f"[launch] warning: --router-args: {line}", flush=True)
+    if not bad:
+        metrics = (router["prometheus_host"], router["prometheus_port"]) if router.get("prometheus_port") else None
+        ports = plan(args.host, args.port, args.worker_base_port, args.workers, instance_args, prometheus=metrics)
+        bad = first_collision(ports) or first_busy(ports)
     if bad:
         print(f"fleetserve launch: {bad}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ import sys
 from .app import Router
 from .config import RouterConfig, parse_args
 from .http.server import bind_socket, start_server
+from .policy_flags import policy_flag_warnings
 from .routes import make_routes, metrics_routes
 
 log = logging.getLogger("fleetserve.router")
@@ -119,9 +120,12 @@ def _address(server) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = parse_args(argv)
     level = {"warn": "WARNING"}.get(cfg.log_level, cfg.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in policy_flag_warnings(argv, cfg):  # accepted, as sglang-router does, but said (policy_flags.py)
+        log.warning("%s", line)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency

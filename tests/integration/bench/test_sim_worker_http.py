@@ -117,3 +117,69 @@ async def test_errors_and_flush(workers):
     async with s.get(base + "/get_server_info") as r:
         info = await r.json()
     assert info["stats"]["num_requests"] == 2 and info["timing_model"]["decode_base_s"] == 0.01
+
+
+def _engine_error(path: str, body: dict, prompt_len: int) -> dict:
+    """The error body the engine's own validation gives ``body`` (entrypoints/validation.py)."""
+    from fleetserve.entrypoints.errors import APIError
+    from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from fleetserve.entrypoints.request_parse import parse_model
+    from fleetserve.entrypoints.validation import chat_sampling, completion_sampling, native_sampling
+
+    try:
+        if path == "/v1/chat/completions" and body["messages"][0]["role"] == "wizard":
+            parse_model(ChatCompletionRequest, body)
+        if path == "/generate":
+            native_sampling(body["sampling_params"], prompt_len=prompt_len, vocab_size=1 << 31, context_length=None)
+        elif path == "/v1/completions":
+            completion_sampling(parse_model(CompletionRequest, body), prompt_len=prompt_len, vocab_size=1 << 31,
+                                context_length=None)
+        else:
+            chat_sampling(parse_model(ChatCompletionRequest, body), prompt_len=prompt_len, vocab_size=1 << 31,
+                          context_length=None)
+    except APIError as e:
+        return e.to_dict()
+    raise AssertionError(f"the engine accepts {body}")
+
+
+USER = [{"role": "user", "content": "hi"}]
+BAD_SAMPLING = [
+    ("/v1/completions", {"prompt": "a b", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "a b", "top_p": 2}, "top_p"),
+    ("/v1/completions", {"prompt": "a b", "max_tokens": -5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a b", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a b", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "a b", "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": USER, "top_k": -7}, "top_k"),
+    ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "presence_penalty": 9}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("/generate", {"text": "a b", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ("/generate", {"text": "a b", "sampling_params": {"max_new_tokens": -5}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "a b", "sampling_params": {"temp": 1}}, "sampling_params.temp"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path,body,param", BAD_SAMPLING, ids=[f"{p} {b}" for p, b, _ in BAD_SAMPLING])
+async def test_bad_sampling_values_get_the_engines_400(workers, path, body, param):
+    s = workers
+    base = f"http://127.0.0.1:{PORT}"
+    async with s.post(base + path, json=body) as r:
+        assert r.status == 400
+        got = await r.json()
+    assert got["error"]["param"] == param
+    prompt_len = 2 if path != "/v1/chat/completions" else len(sim_worker.make_tokenizer("word").encode_chat(USER))
+    assert got == _engine_error(path, body, prompt_len)
+    async with s.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}) as r:
+        assert r.status == 200  # and the worker keeps serving
+
+
+@pytest.mark.timeout(60)
+async def test_generate_with_max_new_tokens_zero_answers_no_token(workers):
+    s = workers
+    base = f"http://127.0.0.1:{PORT}"
+    async with s.post(base + "/generate", json={"text": "a b c", "sampling_params": {"max_new_tokens": 0}}) as r:
+        assert r.status == 200  # SGLang (and the engine) allow it
+        meta = (await r.json())["meta_info"]
+    assert meta["completion_tokens"] == 0 and meta["prompt_tokens"] == 3

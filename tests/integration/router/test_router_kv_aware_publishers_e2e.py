@@ -184,7 +184,8 @@ def test_engine_loads_steer_away_from_a_worker_busy_with_traffic_the_router_neve
         fresh = {"input_ids": list(range(9000, 9040)), "sampling_params": {"max_new_tokens": 2}}
         _, h = post(fixed + "/generate", fresh)
         assert route_fields(h["x-fleetserve-route"])["target"] == b
-        # the router that reads no engine load sees two idle workers and takes the first
+        # the router that reads no engine load sees two idle workers: a tie, and at its first decision
+        # the tie goes to registration order (no worker chosen yet)
         _, h = post(blind + "/generate", {**fresh, "input_ids": list(range(9100, 9140))})
         assert route_fields(h["x-fleetserve-route"])["target"] == a
     finally:

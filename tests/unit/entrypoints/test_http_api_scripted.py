@@ -154,6 +154,14 @@ BAD = [
     ("generate max_new_tokens beyond", "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 500}},
      400, "sampling_params.max_new_tokens"),
     ("logit_bias unsupported", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    # OpenAI and vLLM refuse an output length below 1 (SGLang's /generate allows max_new_tokens 0)
+    ("completion max_tokens 0", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("completion max_tokens -5 even with echo", "/v1/completions", {"prompt": "x", "max_tokens": -5, "echo": True},
+     400, "max_tokens"),
+    ("chat max_tokens 0", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+     400, "max_tokens"),
+    ("chat max_completion_tokens 0", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("abort without rid", "/abort_request", {}, 400, "rid"),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]
@@ -283,6 +291,19 @@ def test_n3_every_chunk_has_its_index(client):
         for ch in c.choices:
             per[ch.index] += ch.delta.content or ""
     assert per == {0: "Hello", 1: "Hello", 2: "Hello"}
+
+
+def test_max_tokens_zero_is_a_400_with_vllms_message_but_generate_allows_it(http, client):
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "max_tokens must be at least 1, got 0.", "type": "invalid_request_error",
+                                 "param": "max_tokens", "code": None}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}],
+                                       max_completion_tokens=0)
+    r = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0}})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 0  # SGLang's /generate: allowed
+    good_request_works(client)
 
 
 def test_echo_with_max_tokens_zero_and_logprobs(client):

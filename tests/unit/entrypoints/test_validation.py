@@ -57,6 +57,25 @@ def test_chat_overflow_names_the_field_the_client_sent(fields, param):
     assert (e.status, e.param, e.code) == (400, param, "context_length_exceeded")
 
 
+@pytest.mark.parametrize("fn,req,param", [
+    (completion_sampling, CompletionRequest(prompt="x", max_tokens=0), "max_tokens"),
+    (completion_sampling, CompletionRequest(prompt="x", max_tokens=-3, echo=True), "max_tokens"),
+    (chat_sampling, ChatCompletionRequest(messages=USER, max_tokens=0), "max_tokens"),
+    (chat_sampling, ChatCompletionRequest(messages=USER, max_completion_tokens=0), "max_completion_tokens"),
+    (chat_sampling, ChatCompletionRequest(messages=USER, max_tokens=0, max_completion_tokens=5), "max_tokens"),
+])
+def test_openai_output_length_below_one_is_refused_as_vllm_does(fn, req, param):
+    e = refused(fn, req, prompt_len=1, **LIMITS)
+    got = getattr(req, param)
+    assert (e.status, e.param, e.message) == (400, param, f"{param} must be at least 1, got {got}.")
+
+
+def test_echo_with_max_tokens_zero_generates_nothing_and_native_zero_stays_allowed():
+    req = CompletionRequest(prompt="x", max_tokens=0, echo=True)  # vLLM's "echo without generation"
+    assert completion_sampling(req, prompt_len=1, **LIMITS).max_new_tokens == 0
+    assert native_sampling({"max_new_tokens": 0}, prompt_len=1, **LIMITS).max_new_tokens == 0  # SGLang allows it
+
+
 def test_prompt_filling_the_context_is_blamed_on_the_prompt():
     e = refused(fit_sampling, {"max_new_tokens": 1}, prompt_len=CTX, **LIMITS)
     assert e.param == "prompt" and e.code == "context_length_exceeded"

@@ -44,13 +44,33 @@ def test_load_in_tokens_outweighs_a_short_match():
     assert pol2.select([Worker(A), Worker(B)], RouteKey("", P + [1, 2], 0)).url == B
 
 
-def test_ties_go_to_fewer_requests_in_flight_then_order():
+def test_ties_go_to_fewer_requests_in_flight_then_the_least_recently_chosen():
     pol = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0)
     wa, wb = Worker(A), Worker(B)
-    assert pol.select([wa, wb], RouteKey("", [1, 2, 3], 0)).url == A
-    wa.load = 1
+    assert pol.select([wa, wb], RouteKey("", [1, 2, 3], 0)).url == A  # neither chosen yet: registration order
     pol.load_tokens.clear()
-    assert pol.select([wa, wb], RouteKey("", [7, 8, 9], 0)).url == B
+    wa.load = 0
+    wb.load = 1  # fewer requests in flight beats "least recently chosen" (B was never chosen)
+    assert pol.select([wa, wb], RouteKey("", [7, 8, 9], 0)).url == A
+    pol.load_tokens.clear()
+    wb.load = 0
+    assert pol.select([wa, wb], RouteKey("", [4, 5, 6], 0)).url == B  # an exact tie: B waited longer
+
+
+def test_sequential_new_prompts_with_nothing_in_flight_spread_over_every_worker():
+    """Nothing cached anywhere, each answer over before the next request: every cost ties."""
+    C = "http://c:1"
+    for states in ({A: ["exact"], B: ["exact"], C: ["exact"]}, {}):  # with KV-event streams, and without
+        pol = policy(states, speculative_ttl_s=0)
+        workers = [Worker(A), Worker(B), Worker(C)]
+        got = []
+        for i in range(6):
+            key = RouteKey("", [100 * i + t for t in range(8)], 16)
+            got.append(pol.select(workers, key).url)
+            pol.release(key)
+        assert got == [A, B, C, A, B, C]
+    pol.on_worker_removed(A)
+    assert set(pol.chosen_at) == {(B, None), (C, None)}
 
 
 def test_fallback_uses_the_tree_and_exact_ignores_it():
@@ -139,7 +159,8 @@ def _reference_choice(pol, workers, key):
             cached = min(cached, key.prompt_tokens - 1)
             load = pol.load_tokens.get((w.url, rank), 0)
             cost = pol.prefill_weight * (key.prompt_tokens - cached) + pol.load_weight * load
-            score = (cost, pol.inflight.get((w.url, rank), 0) if rank is not None else w.load, order)
+            reqs = pol.inflight.get((w.url, rank), 0) if rank is not None else w.load
+            score = (cost, reqs, pol.chosen_at.get((w.url, rank), -1), order)
             if best is None or score < best[0]:
                 best = (score, w.url, rank, branch, cached)
     return best[1:]
@@ -166,6 +187,8 @@ def test_decisions_match_the_written_out_rule_on_random_states():
                     store(pol, u, P[:4 * rng.randint(1, 8)], rank=r)
                 if rng.random() < 0.3:
                     pol.load_tokens[(u, r if dp else None)] = rng.randint(0, 40)
+                if rng.random() < 0.4:  # chosen before, at decision 1..6 (ties go to the least recent)
+                    pol.chosen_at[(u, r if dp else None)] = rng.randint(1, 6)
             if rng.random() < 0.5:
                 tenant = f"{u}#{rng.randint(0, 1)}" if dp else u
                 pol.tree.insert(RouteKey("", P[:rng.randint(1, 32)]).tree_text(), tenant)

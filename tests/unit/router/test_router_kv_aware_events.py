@@ -184,7 +184,7 @@ async def test_gap_with_replay_is_repaired_and_stays_exact(start_app, InProcessR
             await wait_for(lambda: sub.last_seq == 2, what="gap handled")
             assert sub.gaps == 1 and sub.replays == 1 and sub.state == "exact"
             assert pol.index.blocks_of((urls[0], 0)) == 1 + 16 + 1  # the dropped batch came by replay
-            assert await generate(s, r.url, PREFIX[::-1]) == "w0"  # tie (nobody has it): order
+            assert await generate(s, r.url, PREFIX[::-1]) == "w0"  # a tie (nobody has it), nobody chosen yet: registration order
             assert await generate(s, r.url, PREFIX) == "w0"
             assert pol.decisions["exact"] >= 1
     finally:

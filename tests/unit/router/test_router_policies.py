@@ -69,6 +69,14 @@ def test_miss_ties_break_by_smaller_tree_then_order():
     assert least_loaded(workers(1, 1)).url == "http://w0"
 
 
+def test_sequential_new_prompts_spread_from_an_empty_tree():
+    """Nothing in flight, no shared prefix: each miss goes to the smallest tree, so every worker in turn."""
+    p = CacheAwarePolicy()
+    ws = workers(0, 0, 0)
+    got = [p.select(ws, c * 20).url for c in "abcdef"]  # loads stay 0: each answer is over before the next
+    assert got == ["http://w0", "http://w1", "http://w2"] * 2
+
+
 def test_smallest_tree_fallback_ignores_load():
     p = CacheAwarePolicy(cache_miss_fallback="smallest_tree")
     ws = workers(0, 9, 0)

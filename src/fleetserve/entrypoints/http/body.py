@@ -7,15 +7,12 @@ and wrong types are 400 naming the field, and a body over the limit is 413.
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
 
 from fleetserve.entrypoints.errors import APIError
-from fleetserve.entrypoints.http.errors import loc_to_param
-
-ModelT = TypeVar("ModelT", bound=BaseModel)
+from fleetserve.entrypoints.request_parse import ModelT, parse_model
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -41,32 +38,6 @@ async def read_json(request: Request, limit: int) -> Any:
         raise APIError(f"malformed JSON body: {e}", 400, None, "invalid_json") from e
     except RecursionError as e:  # arrays or objects nested deeper than the parser's stack
         raise APIError("malformed JSON body: nested too deeply", 400, None, "invalid_json") from e
-
-
-def parse_model(cls: type[ModelT], data: Any) -> ModelT:
-    """Validate ``data`` into ``cls``.
-
-    Raises:
-        APIError(400): ``data`` is not a JSON object, or a field is wrong; ``param``
-            names the first bad field (for a union, what was expected).
-    """
-    if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object", 400)
-    try:
-        return cls.model_validate(data)
-    except ValidationError as e:
-        errs = e.errors(include_url=False)
-        first = errs[0]
-        param = loc_to_param(first.get("loc", ()))
-        top = first.get("loc", ("",))[0] if first.get("loc") else None
-        same = [x for x in errs if x.get("loc") and x["loc"][0] == top]
-        if len(same) > 1:  # a union: say what was expected instead of the first branch's complaint
-            wanted = sorted({x["msg"].replace("Input should be ", "") for x in same})
-            msg = f"invalid value for '{top}': expected {' or '.join(wanted)}"
-            param = str(top)
-        else:
-            msg = f"invalid value for '{param}': {first['msg']}" if param else first["msg"]
-        raise APIError(msg, 400, param) from None
 
 
 async def read_request(request: Request, cls: type[ModelT], limit: int) -> ModelT:

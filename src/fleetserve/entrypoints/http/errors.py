@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetserve.entrypoints.errors import APIError
+from fleetserve.entrypoints.request_parse import loc_to_param
 
 logger = logging.getLogger(__name__)
 
@@ -27,26 +28,6 @@ def status_phrase(status: int) -> str:
         return HTTPStatus(status).phrase
     except ValueError:
         return "Error"
-
-
-def loc_to_param(loc: tuple | list) -> str | None:
-    """Turn a pydantic error location into a dotted parameter name.
-
-    ``("body", "messages", 0, "content") -> "messages.0.content"``; union branch
-    labels that pydantic inserts (``"list[int]"``, ``"function-after[...]"``) are dropped.
-    """
-    parts: list[str] = []
-    for item in loc:
-        if item == "body" and not parts:
-            continue
-        if isinstance(item, int):
-            parts.append(str(item))
-            continue
-        s = str(item)
-        if any(ch in s for ch in "[]()") or s in {"str", "int", "float", "bool", "list", "dict", "none"}:
-            continue
-        parts.append(s)
-    return ".".join(parts) or None
 
 
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:

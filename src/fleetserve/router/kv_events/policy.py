@@ -25,8 +25,11 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   ``/v1/loads`` figure is fresh, the larger of the two, the engine's less what
   this router saw end since it was taken (:mod:`.loads`).
 
-Lowest cost wins; ties go to the fewest in-flight requests, then registration
-order.  The scoring follows NVIDIA Dynamo's KV router (overlap blocks vs.
+Lowest cost wins; ties go to the fewest in-flight requests, then to the target this policy
+chose least recently (one never chosen first; among those, registration order).  So sequential
+new prompts with nothing in flight and nothing cached spread over the workers in turn instead of
+all going to the first one (sglang-router's cache_aware spreads such misses to its smallest tree;
+its PR #6164 proposed a round-robin tie breaker for the same reason).  The scoring follows NVIDIA Dynamo's KV router (overlap blocks vs.
 active blocks, ``kv_overlap_score_weight``) and llm-d's precise prefix-cache
 scorer; the weights and units (tokens, not blocks) are ours.
 
@@ -150,6 +153,8 @@ class KvAwarePolicy:
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
         self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
         self.tokenizer_check = TokenizerCheck()
+        self.chosen_at: dict = {}  # (url, rank or None) -> number of the decision that last chose it (ties)
+        self._decisions = 0
 
     # ------------------------------------------------------------ per request
     async def prepare(self, path: str, body: dict, text: str) -> RouteKey:
@@ -221,6 +226,7 @@ class KvAwarePolicy:
         decode_tokens = key.decode_tokens
         overflow_weight = prefill_weight * self.overflow_weight
         check = self.tokenizer_check
+        chosen_at = self.chosen_at
         for order, (w, rank, ranks) in enumerate(targets):
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
@@ -255,7 +261,7 @@ class KvAwarePolicy:
                 if pool is not None:
                     cost += overflow_weight * _overflow(load, uncached + decode_tokens, pool)
             reqs = inflight.get(lk, 0) if rank is not None else w.load
-            score = (cost, reqs, order)
+            score = (cost, reqs, chosen_at.get(lk, -1), order)  # ties: least recently chosen
             if best is None or score < best[0]:
                 best = (score, w, rank, branch, cached, reason)
         _, w, rank, branch, cached, reason = best
@@ -312,6 +318,8 @@ class KvAwarePolicy:
             for r in ((rank,) if rank is not None else self.ranks(url)):
                 index.add_speculative((url, r), key.tokens, self.speculative_ttl_s)
         lk = (url, rank)
+        self._decisions += 1
+        self.chosen_at[lk] = self._decisions
         n = key.prompt_tokens - key.cached + key.decode_tokens  # the KV it adds there: shared pages count once
         self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
         self.inflight[lk] = self.inflight.get(lk, 0) + 1
@@ -343,6 +351,8 @@ class KvAwarePolicy:
             self.tree.remove_tenant(tenant)
         self.index.drop_worker(url)
         self.tokenizer_check.forget(url)
+        for lk in [lk for lk in self.chosen_at if lk[0] == url]:
+            del self.chosen_at[lk]
 
     def close(self) -> None:
         if self._pool is not None:
