@@ -21,7 +21,7 @@ def test_two_sim_instances_publish_on_their_own_ports_and_the_router_reads_both(
     lp = LaunchProc(["--worker-kind", "sim", "--workers", "2", "--port", str(PORT), "--worker-base-port", str(BASE),
                      "--policy", "kv_aware", "--shutdown-grace", "5", "--kv-events-config", cfg])
     try:
-        lp.wait_for(rf"router ready: http://127\.0\.0\.1:{PORT}", 60)
+        lp.wait_for(rf"router ready: http://127\.0\.0\.1:{PORT}", 120)
         for i in range(2):
             info = get_json(f"http://127.0.0.1:{BASE + i}/get_server_info")
             assert info["kv_events_config"] is not None
