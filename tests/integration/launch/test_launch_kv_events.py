@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch_helpers import LaunchProc, chat, free_ports, get_json  # noqa: E402
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_two_sim_instances_publish_on_their_own_ports_and_the_router_reads_both():
     PORT, BASE = free_ports(2)
     _, KV = free_ports(2)  # KV and KV + 1 free
