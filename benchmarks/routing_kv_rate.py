@@ -8,9 +8,8 @@ without bound while the better one's stay short. This part measures that directl
 1. **Capacity search.** For each router, open-loop Poisson probes (the same seeded
    requests, the arrival clock scaled to the rate) in a geometric bisection between
    ``--rate-lo`` and ``--rate-hi`` (requests/s, model time, whole fleet). A probe is
-   *sustained* when the number of requests waiting for their first token does not grow
-   from the middle of the arrival window to its end (:func:`queue_growth`,
-   :func:`sustained`). The routers are probed in lockstep (step i of both, then step
+   *sustained* when few requests (3%) are still waiting for their first token at the last
+   arrival (:func:`queue_growth`, :func:`sustained`). The routers are probed in lockstep (step i of both, then step
    i + 1), so the machine's load drifts over both alike.
 2. **Rates.** :func:`choose_rates`: one below both capacities, points between them, one
    above both.
@@ -97,15 +96,18 @@ def queue_growth(starts: Sequence[float], ttfts: Sequence[float]) -> dict:
     return {"window_s": t_end, "mid": mid, "end": end, "peak": peak, "growth": end - mid}
 
 
-def sustained(growth: dict, n_requests: int, tol: float = 0.03, floor: int = 4) -> bool:
-    """A probe kept up when its backlog grew by at most ``max(floor, tol * n_requests)`` requests
-    from the middle of the arrival window to its end.
+def sustained(q: dict, n_requests: int, tol: float = 0.03, floor: int = 4) -> bool:
+    """A probe kept up when, at the last arrival, at most ``max(floor, tol * n_requests)`` requests
+    were still waiting for their first token (``q["end"]`` of :func:`queue_growth`).
 
-    Over capacity by a share ``e`` the backlog grows by about ``e * n / 2`` over the second
-    half, so the default (3%) calls a rate unsustainable from about 6% over capacity;
-    Poisson noise below capacity stays under ``floor`` at these sizes.
+    Over capacity by a share ``e`` a stationary stream leaves about ``e / (1 + e) * n`` requests
+    behind at the last arrival, so the default (3%) calls a rate unsustainable from about 3-4%
+    over capacity; below capacity the backlog is Little's law's rate x TTFT, a few requests.
+    The end, not the growth from the middle: a multi_turn stream sent turn by turn is not
+    stationary (all first turns, which miss, come first), so a queue built in the first half
+    can shrink in the second even over capacity; what is left at the end is what was not served.
     """
-    return growth["growth"] <= max(floor, tol * n_requests)
+    return q["end"] <= max(floor, tol * n_requests)
 
 
 def bisect_rates(probes: dict[str, Callable[[float], bool]], lo: float, hi: float, steps: int,
@@ -362,8 +364,8 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
         f"the row (2 cores, shared; {lo:.1f}-{hi:.1f} over the run). " + a.note, ""]
     if res.get("probes"):
         body += ["### Capacity search (open-loop probes, geometric bisection, routers in lockstep)", "",
-                 "A probe is *sustained* when the backlog grew by at most max(4, 3% of the requests) from the middle "
-                 "of the arrival window to its end.", "", probe_table(res), ""]
+                 "A probe is *sustained* when at most max(4, 3% of the requests) were still waiting for their first "
+                 "token at the last arrival (backlog end).", "", probe_table(res), ""]
         caps = res.get("capacities", {})
         def side(x: float | None) -> str:
             return "?" if x is None else f"{x:.1f}"
