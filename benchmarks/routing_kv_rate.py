@@ -16,7 +16,7 @@ without bound while the better one's stay short. This part measures that directl
 3. **Table.** Every router at every rate, interleaved (the order alternates per rate):
    hit rate, TTFT p50 / p90 / p99, req/s, the client-side backlog (requests waiting for a
    first token) at the end of the arrival window and its peak, the workers' waiting
-   queue (polled), worker utilisation (modelled busy time / wall time), sim lateness,
+   queue (polled), the workers' busy share (modelled step time / wall time), sim lateness,
    load average, and kv_aware's p90 over cache_aware's.
 
 Open loop: arrivals never wait for an answer. shared_prefix is open loop as it is;
