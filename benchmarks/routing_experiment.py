@@ -29,6 +29,9 @@ Usage::
 
 ``kv`` (benchmarks/routing_kv.py): kv_aware against cache_aware on sim-workers that
 publish KV events, under KV pressure, two router replicas, direct traffic, DP ranks.
+``kv --rates search|R ...`` (benchmarks/routing_kv_rate.py): one scenario at open-loop
+Poisson rates around each router's sustainable rate (found by a lockstep bisection),
+with queue figures per rate.
 
 Arrivals are Poisson (``--rate-per-worker`` / ``--rate``) unless a closed
 loop is asked for (``--max-concurrency...``: that many requests in flight,

@@ -197,7 +197,7 @@ def workload_argv(name: str, a: argparse.Namespace) -> list[str]:
                 str(a.question_len), "--output-len", str(a.output_len)]
     return ["--workload", "multi_turn", "--num-conversations", str(a.conversations), "--num-turns", str(a.turns),
             "--question-len", str(a.question_len), "--output-len", str(a.output_len),
-            "--multi-turn-replies", "synthetic"]
+            "--multi-turn-replies", "synthetic", "--system-prompt-len", str(getattr(a, "mt_system_len", 0))]
 
 
 SCENARIOS = {  # name: (workload, replicas, foreign share?, dp size)
@@ -206,6 +206,8 @@ SCENARIOS = {  # name: (workload, replicas, foreign share?, dp size)
     "replicas": ("multi_turn", 2, False, 1),
     "foreign": ("multi_turn", 1, True, 1),
     "dp": ("shared_prefix", 1, False, 2),
+    "replicas-shared_prefix": ("shared_prefix", 2, False, 1),
+    "foreign-shared_prefix": ("shared_prefix", 1, True, 1),
 }
 
 
@@ -260,6 +262,7 @@ class Watch:
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self.stalls = 0
+        self.waiting_max = 0  # the largest summed num_waiting_reqs seen in a poll
 
     def __enter__(self) -> "Watch":
         self._t.start()
@@ -276,6 +279,7 @@ class Watch:
                 loads = [worker_loads(u) for u in self.urls]
                 inflight = [router_inflight(u) for u in self.rurls]
                 done = sum(x.get("done") or 0 for x in loads)
+                self.waiting_max = max(self.waiting_max, sum(x.get("wait") or 0 for x in loads))
                 now = time.monotonic()
                 if done != last_done:
                     last_done, last_change = done, now
@@ -287,7 +291,7 @@ class Watch:
 
 
 def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplicas: int, foreign: float,
-               reqs, bargs, a, rx, logdir: Path, tok) -> dict:
+               reqs, bargs, a, rx, logdir: Path, tok, watch_every: float = 10.0) -> dict:
     from routing_experiment import flush, port_free, router_cmd, start, stop, wait_healthy
 
     flush(urls)
@@ -331,7 +335,7 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
                 dest.append(rurls[pick.randrange(nreplicas)])
         clock0 = sim_clock(urls)
         t0 = time.monotonic()
-        with Watch(logdir / f"watch-{label}.log", urls, rurls) as watch:
+        with Watch(logdir / f"watch-{label}.log", urls, rurls, every=watch_every) as watch:
             results, duration = asyncio.run(run_requests(
                 rurls[0], reqs, api="chat", model=None, request_rate=bargs.request_rate, seed=bargs.seed,
                 time_scale=bargs.time_scale, progress=False, url_for=lambda i, _r: dest[i],
@@ -357,6 +361,8 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
             branches[b] = branches.get(b, 0) + 1
     s["branches"] = branches
     s["stalled_polls"] = watch.stalls
+    s["worker_waiting_max"] = watch.waiting_max
+    s["utilisation"] = (clock1[0] - clock0[0]) / (len(urls) * wall) if wall > 0 else 0.0
     s["loadavg_end"] = list(os.getloadavg())
     busy = clock1[0] - clock0[0]
     s["sim_late_share"] = (clock1[1] - clock0[1]) / busy if busy > 0 else 0.0
@@ -418,6 +424,11 @@ def table(rows: list[dict], direct: bool = False) -> str:
 
 def kv_part(a: argparse.Namespace) -> None:
     from routing_experiment import RESULTS, start, stop, wait_healthy
+
+    if a.rates:
+        import routing_kv_rate
+
+        return routing_kv_rate.rate_part(a)
 
     from fleetserve.router.kv_events.tokenize import RouterTokenizer
 
@@ -546,7 +557,8 @@ def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
 
 def add_parser(sub) -> None:
     k = sub.add_parser("kv", help="kv_aware vs cache_aware on sim-workers with KV events")
-    k.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    k.add_argument("--scenarios", nargs="+", default=list(SCENARIOS)[:5], choices=list(SCENARIOS),
+                   help="tables to run (default: the first five; the *-shared_prefix ones are for --rates)")
     k.add_argument("--workers", type=int, default=4)
     k.add_argument("--time-scale", type=float, default=4.0)
     k.add_argument("--stream-interval", type=int, default=16)
@@ -560,6 +572,8 @@ def add_parser(sub) -> None:
     k.add_argument("--turns", type=int, default=6)
     k.add_argument("--question-len", type=int, default=128)
     k.add_argument("--output-len", type=int, default=128)
+    k.add_argument("--mt-system-len", type=int, default=0,
+                   help="multi_turn: tokens of a system prompt of each conversation's own (default none)")
     k.add_argument("--foreign-share", type=float, default=0.3)
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--request-timeout", type=float, default=120.0,
@@ -580,3 +594,6 @@ def add_parser(sub) -> None:
     k.add_argument("--section", default="routing-kv")
     k.add_argument("--title", default="Routing: kv_aware vs cache_aware on simulated workers with KV events")
     k.add_argument("--note", default="")
+    import routing_kv_rate
+
+    routing_kv_rate.add_arguments(k)

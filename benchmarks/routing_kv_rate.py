@@ -1,0 +1,393 @@
+"""kv_aware vs cache_aware at open-loop arrival rates around their capacities (``kv --rates ...``).
+
+The question (issue 12): the peers' large TTFT gains for precise KV routing come from
+queueing. A router that wastes prefill work on misses saturates the workers at a lower
+arrival rate; between the two routers' sustainable rates the worse router's queues grow
+without bound while the better one's stay short. This part measures that directly:
+
+1. **Capacity search.** For each router, open-loop Poisson probes (the same seeded
+   requests, the arrival clock scaled to the rate) in a geometric bisection between
+   ``--rate-lo`` and ``--rate-hi`` (requests/s, model time, whole fleet). A probe is
+   *sustained* when few requests (3%) are still waiting for their first token at the last
+   arrival (:func:`queue_growth`, :func:`sustained`). The routers are probed in lockstep (step i of both, then step
+   i + 1), so the machine's load drifts over both alike.
+2. **Rates.** :func:`choose_rates`: one below both capacities, points between them, one
+   above both.
+3. **Table.** Every router at every rate, interleaved (the order alternates per rate):
+   hit rate, TTFT p50 / p90 / p99, req/s, the client-side backlog (requests waiting for a
+   first token) at the end of the arrival window and its peak, the workers' waiting
+   queue (polled), the workers' busy share (modelled step time / wall time), sim lateness,
+   load average, and kv_aware's p90 over cache_aware's.
+
+Open loop: arrivals never wait for an answer. shared_prefix is open loop as it is;
+multi_turn with synthetic replies is made open loop by dropping the ``after`` link
+(:func:`open_loop`): the history is fixed in advance, so turn t + 1 may arrive before
+turn t has finished (it then misses the cache the earlier turn would have left).
+
+A backlog over capacity grows linearly with the arrival window, so its p90 depends on
+the run length: the table states the window (model seconds) of every rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import json
+import math
+import os
+import shlex
+from pathlib import Path
+from typing import Callable, Sequence
+
+
+# ------------------------------------------------------------------ pure helpers (tested)
+def open_loop(reqs: Sequence) -> list:
+    """The requests with their ``after`` link removed (each one is sent at its own arrival time).
+
+    Raises:
+        ValueError: a request names ``history_from`` (real replies: it needs the earlier answer).
+    """
+    out = []
+    for r in reqs:
+        if getattr(r, "history_from", None) is not None:
+            raise ValueError(f"request {r.rid} needs the answer of {r.history_from}: cannot be open loop "
+                             "(use --multi-turn-replies synthetic)")
+        out.append(dataclasses.replace(r, after=None))
+    return out
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """The arrival times (s) ``fleetserve.bench.client.run_requests`` uses for ``n`` requests at ``rate``/s.
+
+    Same generator, same draws: ``random.Random(seed).expovariate(rate)`` gaps, first at 0.
+    The shape is the same at every rate (times scale as 1 / rate).
+    """
+    import random
+
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def backlog(starts: Sequence[float], ttfts: Sequence[float], t: float) -> int:
+    """Requests that arrived at or before ``t`` and had no first token by ``t``.
+
+    ``starts``: send times (s); ``ttfts``: time to first token (s), ``math.inf`` for a
+    request that never got one (failed). Little's law below capacity; grows as
+    (arrival rate - service rate) x t above it.
+    """
+    return sum(1 for s, f in zip(starts, ttfts) if s <= t < s + f)
+
+
+def queue_growth(starts: Sequence[float], ttfts: Sequence[float]) -> dict:
+    """Backlog at the middle and at the end of the arrival window, and its peak over 20 points.
+
+    Returns ``{"window_s", "mid", "end", "peak", "growth"}`` (``growth = end - mid``).
+    The middle, not the start: the first requests run on cold caches.
+    """
+    if not starts:
+        return {"window_s": 0.0, "mid": 0, "end": 0, "peak": 0, "growth": 0}
+    t_end = max(starts)
+    mid, end = backlog(starts, ttfts, t_end / 2), backlog(starts, ttfts, t_end)
+    peak = max(backlog(starts, ttfts, t_end * i / 20) for i in range(1, 21))
+    return {"window_s": t_end, "mid": mid, "end": end, "peak": peak, "growth": end - mid}
+
+
+def sustained(q: dict, n_requests: int, tol: float = 0.03, floor: int = 4) -> bool:
+    """A probe kept up when, at the last arrival, at most ``max(floor, tol * n_requests)`` requests
+    were still waiting for their first token (``q["end"]`` of :func:`queue_growth`).
+
+    Over capacity by a share ``e`` a stationary stream leaves about ``e / (1 + e) * n`` requests
+    behind at the last arrival, so the default (3%) calls a rate unsustainable from about 3-4%
+    over capacity; below capacity the backlog is Little's law's rate x TTFT, a few requests.
+    The end, not the growth from the middle: a multi_turn stream sent turn by turn is not
+    stationary (all first turns, which miss, come first), so a queue built in the first half
+    can shrink in the second even over capacity; what is left at the end is what was not served.
+    """
+    return q["end"] <= max(floor, tol * n_requests)
+
+
+def bisect_rates(probes: dict[str, Callable[[float], bool]], lo: float, hi: float, steps: int,
+                 widen: int = 2) -> dict[str, tuple[float | None, float | None]]:
+    """Per name, ``(highest rate sustained, lowest rate not sustained)`` by geometric bisection.
+
+    ``probes``: name -> ``probe(rate) -> bool``. All names are probed in lockstep: first ``lo``
+    (halved up to ``widen`` times while it fails), then, if ``lo`` held at once, ``hi`` (doubled up
+    to ``widen`` times while it holds), then ``steps`` midpoints ``sqrt(a * b)`` of each bracket. A side that
+    never flipped stays None.
+    """
+    br: dict[str, list[float | None]] = {k: [None, None] for k in probes}
+    for k, probe in probes.items():  # the low end
+        r = lo
+        for i in range(widen + 1):
+            if probe(r):
+                br[k][0] = r
+                break
+            br[k][1] = r
+            r /= 2
+    for k, probe in probes.items():  # the high end, unless lo already failed (then it is known)
+        if br[k][0] is None or br[k][1] is not None:
+            continue
+        r = hi
+        for i in range(widen + 1):
+            if not probe(r):
+                br[k][1] = r
+                break
+            br[k][0] = r
+            r *= 2
+    for _ in range(steps):
+        for k, probe in probes.items():
+            a, b = br[k]
+            if a is None or b is None:
+                continue
+            m = math.sqrt(a * b)
+            br[k][0 if probe(m) else 1] = m
+    return {k: (v[0], v[1]) for k, v in br.items()}
+
+
+def choose_rates(caps: Sequence[float], between: int = 2, below: float = 0.7, above: float = 1.3) -> list[float]:
+    """Rates for the table: ``below x`` the lowest capacity, ``between`` points spaced
+    geometrically strictly inside (lowest, highest), ``above x`` the highest. Sorted.
+
+    Raises:
+        ValueError: no capacity, or one <= 0.
+    """
+    if not caps or min(caps) <= 0:
+        raise ValueError(f"capacities must be > 0, got {list(caps)}")
+    lo, hi = min(caps), max(caps)
+    out = [lo * below]
+    out += [lo * (hi / lo) ** ((i + 1) / (between + 1)) for i in range(between)] if hi > lo else []
+    out.append(hi * above)
+    return sorted(out)
+
+
+def capacity_point(bracket: tuple[float | None, float | None]) -> float | None:
+    """One figure for a bracket: the geometric middle, or the known side."""
+    a, b = bracket
+    if a is not None and b is not None:
+        return math.sqrt(a * b)
+    return a if a is not None else b
+
+
+# ------------------------------------------------------------------ the run
+def _row_figures(s: dict) -> dict:
+    """Queue figures of one run summary (``s["requests"]`` from routing_kv.run_router)."""
+    rq = s["requests"]
+    starts = [r["start"] for r in rq]
+    ttfts = [r["ttft"] if r["ttft"] and r["ttft"] > 0 else math.inf for r in rq]
+    return queue_growth(starts, ttfts)
+
+
+def rate_part(a: argparse.Namespace) -> None:
+    import routing_kv as rk
+    from routing_experiment import RESULTS, start, stop, wait_healthy
+
+    from fleetserve.bench import cli as bench_cli
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+
+    rk.HTTP0, rk.EV0 = rk.HTTP0 + a.port_offset, rk.EV0 + a.port_offset
+    rk._next_router_port[0] += a.port_offset
+    logdir = Path(a.log_dir)
+    logdir.mkdir(parents=True, exist_ok=True)
+    tdir = rk.tokenizer_dir()
+    tok = RouterTokenizer(tdir)
+    have_peer = Path(a.peer_python).exists() and not a.no_peer
+    if len(a.scenarios) != 1:
+        raise SystemExit("kv --rates: give exactly one --scenarios")
+    name = a.scenarios[0]
+    if a.rates == ["render"]:  # rewrite the doc section from the results file of an earlier run
+        write_rate_doc(a, json.loads((RESULTS / f"{a.section}.json").read_text()))
+        return
+    wname, nrep, foreign, dp = rk.SCENARIOS[name]
+    n = a.workers
+    urls = [f"http://127.0.0.1:{rk.HTTP0 + i}" for i in range(n)]
+    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{rk.EV0}", "replay_endpoint": f"tcp://*:{rk.EV0 + 200}",
+           "topic": "kv"}
+    sim = ["--port", str(rk.HTTP0), "--num-workers", str(n), "--time-scale", str(a.time_scale),
+           "--stream-interval", str(a.stream_interval), "--max-total-tokens", str(a.max_total_tokens),
+           "--page-size", str(rk.PAGE), "--tokenizer", "smollm2", "--kv-events-config", json.dumps(cfg)]
+    if dp > 1:
+        sim += ["--dp-size", str(dp)]
+    rows_def = [r for r in rk.routers(dp > 1, tdir, have_peer, False, tuple(a.kv_variant))
+                if r[0] not in a.skip and (r[0] != "round_robin" or a.with_round_robin)]
+    share = a.foreign_share if foreign else 0.0
+    out_file = RESULTS / f"{a.section}.json"
+    res: dict = {"scenario": name, "workload": wname, "workers": n, "replicas": nrep, "direct_share": share,
+                 "probes": [], "rows": [], "loads": [list(os.getloadavg())]}
+
+    def save() -> None:
+        RESULTS.mkdir(exist_ok=True)
+        out_file.write_text(json.dumps(res, indent=1))
+
+    reqs0 = None
+
+    def run(label: str, kind: str, flags: list[str], rate: float) -> dict:
+        bargs = bench_cli.build_parser().parse_args(
+            [*rk.workload_argv(wname, a), "--seed", str(a.seed), "--time-scale", str(a.time_scale),
+             "--request-rate", str(rate)])
+        s = rk.run_router(label, kind, flags, urls, nrep, share, reqs0, bargs, a, {"streams": n * dp}, logdir, tok,
+                          watch_every=a.watch_every)
+        s["rate"] = rate
+        s["queue"] = _row_figures(s)
+        print(f"    rate {rate:.1f}: backlog mid {s['queue']['mid']} end {s['queue']['end']} peak "
+              f"{s['queue']['peak']}  workers waiting max {s.get('worker_waiting_max')}  "
+              f"utilisation {s.get('utilisation', 0):.0%}", flush=True)
+        return s
+
+    wp = start([bench_cli.sys.executable, "-m", "fleetserve.cli", "sim-worker", *sim], logdir / f"sim-rate-{name}.log")
+    try:
+        wait_healthy(urls, [wp], 180)
+        bargs0 = bench_cli.build_parser().parse_args(
+            [*rk.workload_argv(wname, a), "--seed", str(a.seed), "--time-scale", str(a.time_scale)])
+        reqs0 = open_loop(bench_cli.workload_from_args(bargs0))
+        res["requests"] = len(reqs0)
+        print(f"== rate experiment {name}: {n} workers, {wname}, {len(reqs0)} requests, {nrep} router(s), "
+              f"direct share {share:g}, KV {a.max_total_tokens} tokens per worker, k = {a.time_scale:g}; "
+              f"routers {[r[0] for r in rows_def]}", flush=True)
+        caps: dict[str, float] = {}
+        if a.rates == ["search"]:
+            def probe_for(label: str, kind: str, flags: list[str]) -> Callable[[float], bool]:
+                def probe(rate: float) -> bool:
+                    s = run(label, kind, flags, rate)
+                    ok = sustained(s["queue"], len(reqs0)) and not s["failed"]
+                    res["probes"].append({k: s[k] for k in ("label", "rate", "queue", "cache_hit_rate", "ttft_p90_s",
+                                                            "sim_late_share", "loadavg_end", "failed",
+                                                            "utilisation", "worker_waiting_max")} | {"sustained": ok})
+                    save()
+                    print(f"    probe {label} at {rate:.1f} req/s: {'sustained' if ok else 'NOT sustained'}",
+                          flush=True)
+                    return ok
+                return probe
+
+            brackets = bisect_rates({lbl: probe_for(lbl, kind, fl) for lbl, kind, fl in rows_def},
+                                    a.rate_lo, a.rate_hi, a.search_steps)
+            res["brackets"] = brackets
+            for lbl, b in brackets.items():
+                c = capacity_point(b)
+                if c is None:
+                    raise SystemExit(f"no capacity found for {lbl} in [{a.rate_lo}, {a.rate_hi}]")
+                caps[lbl] = c
+            res["capacities"] = caps
+            rates = choose_rates(list(caps.values()), between=a.between)
+        else:
+            rates = sorted(float(x) for x in a.rates)
+        res["rates"] = rates
+        save()
+        print(f"== table rates {[round(r, 1) for r in rates]} (capacities {caps})", flush=True)
+        for i, rate in enumerate(rates):
+            order = rows_def if i % 2 == 0 else list(reversed(rows_def))
+            for lbl, kind, fl in order:
+                s = run(lbl, kind, fl, rate)
+                s.pop("requests", None)
+                res["rows"].append(s)
+                save()
+    finally:
+        stop(wp)
+        res["loads"].append(list(os.getloadavg()))
+        save()
+    write_rate_doc(a, res)
+
+
+def rate_table(res: dict) -> str:
+    """Markdown: one row per (rate, router), in rate order, with kv_aware's p90 over cache_aware's."""
+    head = ("| rate (req/s) | window (s) | router | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
+            "p90 / cache_aware's | req/s | backlog mid / end / peak | workers waiting max | busy | "
+            "failed | sim late | load avg |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    by_rate: dict[float, list[dict]] = {}
+    for r in res["rows"]:
+        by_rate.setdefault(r["rate"], []).append(r)
+    for rate in sorted(by_rate):
+        rows = by_rate[rate]
+        ref = next((r for r in rows if r["label"] == "cache_aware (ours)"), None)
+        for r in sorted(rows, key=lambda r: r["label"]):
+            q = r["queue"]
+            ratio = (f"{r['ttft_p90_s'] / ref['ttft_p90_s']:.2f}x"
+                     if ref and ref.get("ttft_p90_s") and r.get("ttft_p90_s") else "-")
+            p90 = f"{r['ttft_p90_s'] * 1e3:.0f}" if r.get("ttft_p90_s") else "-"
+            out.append(
+                f"| {rate:.1f} | {q['window_s']:.1f} | {r['label']} | {r['cache_hit_rate']:.1%} | "
+                f"{r['ttft_s']['p50'] * 1e3:.0f} | {p90} | {r['ttft_s']['p99'] * 1e3:.0f} | {ratio} | "
+                f"{r['request_throughput']:.1f} | {q['mid']} / {q['end']} / {q['peak']} | "
+                f"{r.get('worker_waiting_max', '-')} | {r.get('utilisation', 0):.0%} | {r['failed']} | "
+                f"{r['sim_late_share']:.0%} | {r['loadavg_end'][0]:.1f} |")
+    return "\n".join(out)
+
+
+def probe_table(res: dict) -> str:
+    out = ["| probe | router | rate (req/s) | sustained | backlog mid / end | hit rate | TTFT p90 (ms) | "
+           "busy | sim late | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(res["probes"]):
+        q = p["queue"]
+        p90 = f"{p['ttft_p90_s'] * 1e3:.0f}" if p.get("ttft_p90_s") else "-"
+        out.append(f"| {i + 1} | {p['label']} | {p['rate']:.1f} | {'yes' if p['sustained'] else 'no'} | "
+                   f"{q['mid']} / {q['end']} | {p['cache_hit_rate']:.1%} | {p90} | {p.get('utilisation', 0):.0%} | "
+                   f"{p['sim_late_share']:.0%} | {p['loadavg_end'][0]:.1f} |")
+    return "\n".join(out)
+
+
+def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
+    from doc_section import write_section
+
+    if a.no_doc:
+        return
+    import routing_kv as rk
+
+    lo = min(x[0] for x in res["loads"] + [r["loadavg_end"] for r in res["rows"]])
+    hi = max(x[0] for x in res["loads"] + [r["loadavg_end"] for r in res["rows"]])
+    wl = (f"shared_prefix {a.groups} groups x {a.prompts_per_group} prompts (system {a.system_len} + question "
+          f"{a.question_len} tokens)" if res["workload"] == "shared_prefix" else
+          f"multi_turn {a.conversations} conversations x {a.turns} turns, synthetic answers, open loop (a turn "
+          "does not wait for the previous answer)")
+    body = [
+        f"Simulated workers: {res['workers']} `fleetserve sim-worker`s (profile `h100-llama8b`, `--page-size "
+        f"{rk.PAGE}`, `--tokenizer smollm2`, KV pool `--max-total-tokens {a.max_total_tokens}` per worker, "
+        f"`--stream-interval {a.stream_interval}`), k = {a.time_scale:g} (the sims run k times slower, the client "
+        f"divides its clock by k: every time and rate here is model time). {res['replicas']} router "
+        f"replica(s), each request to one at random (seeded)"
+        + (f", {res['direct_share']:.0%} of the requests straight to a random worker" if res["direct_share"] else "")
+        + f". Workload: {wl}, {a.output_len} output tokens, {res['requests']} requests per run, open-loop Poisson "
+        "arrivals (seed 0; the same requests and the same arrival shape at every rate, times scaled by 1 / rate). "
+        "Every run starts with flushed worker caches and fresh routers. cache_aware: sgl-router's default "
+        "thresholds (cache 0.3, balance abs 64 / rel 1.5); kv_aware: its defaults. "
+        "**window**: the arrival window (first to last arrival, model s); over capacity the backlog, and so "
+        "the p90/p99, grow with it. **backlog**: requests that had arrived and had no first token yet, at the "
+        "middle / end of the window, and its peak over 20 points (from the client's timestamps). **workers "
+        "waiting max**: the largest summed `num_waiting_reqs` of the workers, polled every "
+        f"{a.watch_every:g} s of wall time. **busy**: the workers' modelled step time (prefill or decode) over "
+        "wall time; a worker decodes whenever anything runs, so this nears 100% well below capacity and is not "
+        "a capacity measure. **sim late**: how far the simulated steps ran past their modelled end, as a share "
+        "of busy time (a few % is harmless). **load avg**: the machine's 1-minute load average at the end of "
+        f"the row (2 cores, shared; {lo:.1f}-{hi:.1f} over the run). " + a.note, ""]
+    if res.get("probes"):
+        body += ["### Capacity search (open-loop probes, geometric bisection, routers in lockstep)", "",
+                 "A probe is *sustained* when at most max(4, 3% of the requests) were still waiting for their first "
+                 "token at the last arrival (backlog end).", "", probe_table(res), ""]
+        caps = res.get("capacities", {})
+        def side(x: float | None) -> str:
+            return "?" if x is None else f"{x:.1f}"
+
+        body += ["Sustainable rate (geometric middle of the last bracket; a `?` side never flipped in the search, "
+                 "so the figure is only a bound): "
+                 + ", ".join(f"{k} {v:.1f} req/s (sustained {side(res['brackets'][k][0])}, not sustained "
+                             f"{side(res['brackets'][k][1])})" for k, v in caps.items()) + ".", ""]
+    body += [f"### Every router at every rate ({res['scenario']}, order alternating per rate)", "",
+             rate_table(res), ""]
+    cmd = "python benchmarks/routing_experiment.py kv " + " ".join(shlex.quote(x) for x in a.argv)
+    write_section(a.section, a.title, cmd.strip(), "\n".join(body))
+
+
+def add_arguments(k: argparse.ArgumentParser) -> None:
+    g = k.add_argument_group("rate experiment (kv --rates): open-loop Poisson at fixed rates around capacity")
+    g.add_argument("--rates", nargs="+", default=None,
+                   help="'search' (find each router's sustainable rate, then rates below, between, above), "
+                        "'render' (rewrite the doc section from the results file of an earlier run) or "
+                        "explicit fleet rates in req/s (model time); turns the rate experiment on")
+    g.add_argument("--rate-lo", type=float, default=40.0, help="search: first low probe (req/s, fleet)")
+    g.add_argument("--rate-hi", type=float, default=160.0, help="search: first high probe (req/s, fleet)")
+    g.add_argument("--search-steps", type=int, default=3, help="search: bisection steps per router")
+    g.add_argument("--between", type=int, default=2, help="table rates strictly between the capacities")
+    g.add_argument("--watch-every", type=float, default=2.0, help="seconds between polls of the workers' queues")

@@ -1,0 +1,108 @@
+"""benchmarks/routing_kv_rate.py: open-loop schedule, backlog / queue-growth test, rate search, rate choice."""
+
+import importlib.util
+import math
+import os
+import random
+import sys
+
+import pytest
+
+from fleetserve.bench import workloads
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(HERE, "..", "..", "..", "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def rr():
+    spec = importlib.util.spec_from_file_location("routing_kv_rate_bench", os.path.join(BENCH, "routing_kv_rate.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fifo_ttfts(arrivals: list[float], service_s: float) -> list[float]:
+    """One FIFO server with a fixed service time: time from arrival to the end of its service."""
+    free, out = 0.0, []
+    for t in arrivals:
+        begin = max(t, free)
+        free = begin + service_s
+        out.append(free - t)
+    return out
+
+
+def test_open_loop_drops_after_and_keeps_the_synthetic_history(rr):
+    reqs = workloads.multi_turn(num_conversations=3, num_turns=3, question_len=4, output_len=4, replies="synthetic")
+    assert sum(r.after is not None for r in reqs) == 6
+    ol = rr.open_loop(reqs)
+    assert [r.after for r in ol] == [None] * 9
+    assert [r.messages for r in ol] == [r.messages for r in reqs]  # turn t still carries turns < t
+    assert len(ol[-1].messages) == 5  # question, answer, question, answer, question
+    real = workloads.multi_turn(num_conversations=2, num_turns=2, question_len=4, output_len=4, replies="real")
+    with pytest.raises(ValueError, match="c0-t0"):
+        rr.open_loop(real)
+
+
+def test_poisson_arrivals_are_the_clients_draws_and_scale_with_the_rate(rr):
+    a = rr.poisson_arrivals(1000, 10.0, seed=0)
+    b = rr.poisson_arrivals(1000, 20.0, seed=0)
+    assert a[0] == 0.0 and b[0] == 0.0
+    assert all(abs(x - 2 * y) < 1e-9 for x, y in zip(a, b))  # same shape, times / rate
+    rng = random.Random(0)
+    assert a[1] == pytest.approx(rng.expovariate(10.0))
+    assert a[-1] / 999 == pytest.approx(0.1, rel=0.1)  # mean gap 1 / rate
+
+
+def test_backlog_counts_arrived_requests_without_a_first_token(rr):
+    starts = [0.0, 1.0, 2.0, 3.0]
+    ttfts = [0.5, 3.0, math.inf, 0.1]
+    assert rr.backlog(starts, ttfts, 0.2) == 1
+    assert rr.backlog(starts, ttfts, 0.6) == 0
+    assert rr.backlog(starts, ttfts, 2.5) == 2  # the second (till 4.0) and the failed third
+    assert rr.backlog(starts, ttfts, 3.05) == 3
+    q = rr.queue_growth(starts, ttfts)
+    assert q == {"window_s": 3.0, "mid": 1, "end": 3, "peak": 3, "growth": 2}
+    assert rr.queue_growth([], [])["growth"] == 0
+
+
+@pytest.mark.parametrize("load, ok", [(0.6, True), (0.85, True), (1.15, False), (1.4, False)])
+def test_sustained_tells_a_fifo_below_capacity_from_one_above(rr, load, ok):
+    n, mu = 400, 100.0  # service rate 100/s
+    arr = rr.poisson_arrivals(n, load * mu, seed=3)
+    q = rr.queue_growth(arr, fifo_ttfts(arr, 1 / mu))
+    assert rr.sustained(q, n) is ok, q
+
+
+def test_bisect_rates_brackets_each_capacity_in_lockstep(rr):
+    calls = []
+
+    def probe(name, cap):
+        def f(rate):
+            calls.append(name)
+            return rate <= cap
+        return f
+
+    br = rr.bisect_rates({"a": probe("a", 77.0), "b": probe("b", 130.0)}, lo=60.0, hi=120.0, steps=3)
+    a_lo, a_hi = br["a"]
+    b_lo, b_hi = br["b"]
+    assert a_lo <= 77.0 < a_hi and a_hi / a_lo == pytest.approx(2 ** (1 / 8))
+    assert b_lo <= 130.0 < b_hi  # 120 held: doubled to 240, then bisected
+    assert calls[-6:] == ["a", "b"] * 3  # the search steps alternate
+    # a capacity below lo: lo halves until a probe holds
+    br = rr.bisect_rates({"c": probe("c", 20.0)}, lo=60.0, hi=120.0, steps=0)
+    assert br["c"] == (15.0, 30.0)
+    # never sustained: no lower side
+    assert rr.bisect_rates({"d": probe("d", 1.0)}, lo=60.0, hi=120.0, steps=2)["d"] == (None, 15.0)
+
+
+def test_choose_rates_below_between_above(rr):
+    r = rr.choose_rates([80.0, 100.0], between=2)
+    assert r[0] == pytest.approx(56.0) and r[-1] == pytest.approx(130.0)
+    assert 80.0 < r[1] < r[2] < 100.0
+    assert r[1] == pytest.approx(80.0 * 1.25 ** (1 / 3))
+    assert rr.choose_rates([90.0, 90.0]) == pytest.approx([63.0, 117.0])  # nothing strictly between
+    with pytest.raises(ValueError):
+        rr.choose_rates([0.0, 10.0])
+    assert rr.capacity_point((64.0, 100.0)) == pytest.approx(80.0)
+    assert rr.capacity_point((None, 15.0)) == 15.0
