@@ -118,10 +118,13 @@ def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float)
             time.sleep(0.5)
 
 
+ROUTER_LOG_LEVEL = os.environ.get("ROUTING_EXPERIMENT_ROUTER_LOG_LEVEL", "warn")  # debug: kv_aware's cost terms
+
+
 def router_cmd(kind: str, port: int, urls: list[str], flags: list[str], peer_python: str) -> list[str]:
     if kind == "ours":
         return [PY, "-m", "fleetserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", *urls, "--log-level", "warn", *flags]
+                "--worker-urls", *urls, "--log-level", ROUTER_LOG_LEVEL, *flags]
     return [peer_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *urls, "--log-level", "warn", *flags]
 
@@ -169,8 +172,10 @@ def run_one(label: str, kind: str, flags: list[str], urls: list[str], bench_argv
         args = bench_cli.build_parser().parse_args(
             ["--base-url", f"http://127.0.0.1:{port}", "--disable-tqdm", "--worker-urls", *urls, *bench_argv])
         t0 = time.monotonic()
+        load0 = os.getloadavg()[0]
         summary, _ = asyncio.run(bench_cli.run_bench(args))
         summary["wall_s"] = time.monotonic() - t0
+        summary["loadavg_1m"] = (load0, os.getloadavg()[0])  # the shared machine's, at the row's start and end
         if rp.poll() is not None:
             raise RuntimeError(f"router {label} died during the run")
         if "kv_aware" in flags:  # its decisions by trust (exact / degraded / fallback), before it stops
@@ -327,11 +332,15 @@ def engine_routers(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     kv_aware (ours, default weights, the model's tokenizer, the engines' KV events)."""
     rows = {label.split(" ")[0] if kind == "ours" else "sglang": (label, kind, flags)
             for label, kind, flags in routers(False, ())}
+    kv_flags = []
     if "kv_aware" in a.routers:
         from fleetserve.models.tokenizer import tokenizer_dir
 
-        rows["kv_aware"] = ("kv_aware (ours)", "ours", ["--policy", "kv_aware", "--tokenizer-path", tokenizer_dir()])
+        kv_flags = ["--policy", "kv_aware", "--tokenizer-path", tokenizer_dir()]
+        rows["kv_aware"] = ("kv_aware (ours)", "ours", kv_flags)
     out = [rows[name] for name in a.routers]
+    for extra in a.kv_variant:  # more kv_aware rows, each with these flags added (e.g. an old weight)
+        out.append((f"kv_aware {extra}", "ours", [*kv_flags, *shlex.split(extra)]))
     for c in a.bounded_load:
         out.append((f"ours, bounded load {c:g}", "ours",
                     ["--policy", "cache_aware", "--cache-threshold", "0.3", "--bounded-load-factor", str(c)]))
@@ -394,6 +403,13 @@ def engine_part(a: argparse.Namespace) -> None:
             ""]
     for wname, rows in sections:
         body += [f"### {wname}", "", table(rows), ""]
+        per = []
+        for r in rows:  # requests per instance, in the order of --worker-urls
+            pw = r.get("per_worker") or {}
+            per.append(f"{r['label']} " + " / ".join(str(pw.get(u, {}).get("requests", 0)) for u in urls))
+        body += ["Requests per instance: " + "; ".join(per) + ".", "",
+                 "1-minute load average at each row's start and end: " + "; ".join(
+                     f"{r['label']} {r['loadavg_1m'][0]:.1f} / {r['loadavg_1m'][1]:.1f}" for r in rows) + ".", ""]
         for r in rows:
             if r.get("kv_decisions"):
                 body += [f"{r['label']} decisions by trust: "
@@ -447,6 +463,8 @@ def main() -> None:
     e.add_argument("--routers", nargs="+", default=["round_robin", "cache_aware", "sglang"],
                    choices=["round_robin", "cache_aware", "sglang", "kv_aware"],
                    help="rows, in this order (kv_aware: the instances publish KV events)")
+    e.add_argument("--kv-variant", action="append", default=[], metavar="FLAGS",
+                   help="one more kv_aware row with these router flags added (repeatable), e.g. '--kv-queue-weight 0'")
     import routing_kv
 
     routing_kv.add_parser(sub)

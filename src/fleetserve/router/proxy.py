@@ -254,6 +254,9 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             err = _upstream_error(e, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}")
             return _Retry(Response(504 if isinstance(e, UpstreamTimeoutError) else 502, orjson.dumps(err)))
         # streaming: from here on bytes reach the client, so no retry (a migration instead, with mig)
+        prefilled = getattr(router.policy, "prefilled", None)
+        if prefilled is not None:  # kv_aware: the first chunk comes with the first token, the prefill is over
+            prefilled(key)
         tail = await _stream(request, worker, resp, first, shown, mig)
         if predicted is not None and tail is not None and resp.status == 200:
             router.predictions.observe(worker.url, predicted, tail)

@@ -70,6 +70,8 @@ class ScriptedScheduler:
         self.flushes = 0
         self.seen_prompts: list[list[int]] = []
         self._stop = threading.Event()
+        self.run_steps = threading.Event()  # cleared: no request makes progress (a long prefill)
+        self.run_steps.set()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
@@ -113,7 +115,7 @@ class ScriptedScheduler:
                         break
                     self._handle(msg)
             outs = []
-            for rid, st in list(self.running.items()):
+            for rid, st in list(self.running.items()) if self.run_steps.is_set() else ():
                 r = st["req"]
                 mx = r.sampling.max_new_tokens
                 if st["n"] >= mx or st["n"] >= len(SCRIPT):

@@ -250,6 +250,33 @@ def test_chat_streaming_matches_and_includes_usage(client):
     assert whole.usage.prompt_tokens == len("system: be brief\nuser: hi\nassistant: ")
 
 
+def test_chat_stream_sends_its_first_chunk_with_the_first_token(srv, http):
+    """As vLLM and SGLang: no chunk (not even the role) before the engine's first token, so a router
+    can take a stream's first bytes as the end of its prefill (kv_aware's queued-prefill term)."""
+    got: list[tuple[float, str]] = []
+
+    def read():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line:
+                    got.append((time.monotonic(), line))
+
+    srv.sched.run_steps.clear()
+    t = threading.Thread(target=read, daemon=True)
+    try:
+        t.start()
+        time.sleep(0.5)
+        assert got == []  # the engine is still "prefilling"
+        released = time.monotonic()
+    finally:
+        srv.sched.run_steps.set()
+    t.join(20)
+    first = json.loads(got[0][1][len("data: "):])
+    assert got[0][0] >= released and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert got[-1][1] == "data: [DONE]"
+
+
 def test_continuous_usage_stats_every_chunk_carries_usage_so_far(client):
     """vLLM's ``continuous_usage_stats`` (issue 15): with ``include_usage``, each chunk has the usage so far."""
     msgs = [{"role": "user", "content": "hi"}]

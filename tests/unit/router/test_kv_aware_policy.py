@@ -47,12 +47,14 @@ def test_load_in_tokens_outweighs_a_short_match():
 def test_ties_go_to_fewer_requests_in_flight_then_the_least_recently_chosen():
     pol = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0)
     wa, wb = Worker(A), Worker(B)
-    assert pol.select([wa, wb], RouteKey("", [1, 2, 3], 0)).url == A  # neither chosen yet: registration order
-    pol.load_tokens.clear()
+    first = RouteKey("", [1, 2, 3], 0)
+    assert pol.select([wa, wb], first).url == A  # neither chosen yet: registration order
+    pol.release(first)  # its prefill and decode are over: no load tokens, no queued prefill left
     wa.load = 0
     wb.load = 1  # fewer requests in flight beats "least recently chosen" (B was never chosen)
-    assert pol.select([wa, wb], RouteKey("", [7, 8, 9], 0)).url == A
-    pol.load_tokens.clear()
+    second = RouteKey("", [7, 8, 9], 0)
+    assert pol.select([wa, wb], second).url == A
+    pol.release(second)
     wb.load = 0
     assert pol.select([wa, wb], RouteKey("", [4, 5, 6], 0)).url == B  # an exact tie: B waited longer
 

@@ -147,9 +147,13 @@ class ChatAnswer:
     async def chunks(self, merged: Merged) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())
         last: dict[int, TokenOutput] = {}
-        for i in range(self.req.n):
-            yield self.chunk(created, [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        roles_sent = False
         async for i, out in merged:
+            if not roles_sent:  # with the first token, as vLLM and SGLang: a first chunk means the prefill is done
+                roles_sent = True
+                for j in range(self.req.n):
+                    yield self.chunk(created, [ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant",
+                                                                                            content=""))])
             last[i] = out
             self.done_tokens[i] = out.completion_tokens
             lp = self.logprobs([out])

@@ -32,6 +32,10 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--kv-overflow-weight", type=float, default=d.kv_overflow_weight,
                    help="kv_aware: cost per token of a request's KV that does not fit in a target's KV pool "
                         "(from /v1/loads), times --kv-prefill-weight (default 0: off; docs/router.md)")
+    g.add_argument("--kv-queue-weight", type=float, default=d.kv_queue_weight,
+                   help="kv_aware: cost per uncached prompt token still waiting for prefill on a target (this "
+                        "router's requests before their first answer bytes; the engine's /v1/loads "
+                        "num_waiting_uncached_tokens), times --kv-prefill-weight (default 1; 0: off; docs/router.md)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")
@@ -56,6 +60,8 @@ def validate(cfg) -> None:
         raise ValueError("--kv-prefill-weight and --kv-load-weight must be >= 0")
     if cfg.kv_overflow_weight < 0:
         raise ValueError("--kv-overflow-weight must be >= 0")
+    if cfg.kv_queue_weight < 0:
+        raise ValueError("--kv-queue-weight must be >= 0")
     if cfg.kv_speculative_ttl_secs < 0:
         raise ValueError("--kv-speculative-ttl-secs must be >= 0")
     if cfg.kv_loads_interval_secs < 0:
@@ -83,4 +89,4 @@ def make_kv_aware(cfg):
     tok = RouterTokenizer(cfg.tokenizer_path, l0_max_entries=l0) if cfg.tokenizer_path else None
     return KvAwarePolicy(cfg.kv_prefill_weight, cfg.kv_load_weight, cfg.kv_speculative_ttl_secs,
                          cfg.kv_index_max_blocks, cfg.dp_aware, tok, route_header=not cfg.no_route_header,
-                         overflow_weight=cfg.kv_overflow_weight)
+                         overflow_weight=cfg.kv_overflow_weight, queue_weight=cfg.kv_queue_weight)

@@ -75,6 +75,19 @@ def ranks_tokens(doc) -> dict[int, int] | None:
     return out or None
 
 
+def ranks_waiting(doc) -> dict[int, int] | None:
+    """``{dp_rank: num_waiting_uncached_tokens}`` (prefill work still ahead) of a ``/v1/loads`` answer;
+    None when it has no such figures (SGLang releases without the field, vLLM)."""
+    loads = doc.get("loads") if isinstance(doc, dict) else None
+    out = {}
+    for e in loads if isinstance(loads, list) else ():
+        if isinstance(e, dict):
+            r, t = e.get("dp_rank", 0), e.get("num_waiting_uncached_tokens")
+            if type(r) is int and type(t) is int and t >= 0:
+                out[r] = t
+    return out or None
+
+
 def ranks_capacity(doc) -> dict[int, int]:
     """``{dp_rank: max_total_num_tokens}`` (the KV pool's size in tokens) of a ``/v1/loads`` answer."""
     loads = doc.get("loads") if isinstance(doc, dict) else None
@@ -96,6 +109,8 @@ class EngineLoads:
         self.snapshots: dict[str, tuple[float, dict[int, int], float, float]] = {}
         self._ended: dict[str, dict[int | None, int]] = {}  # url -> rank or None -> tokens ended since the snapshot
         self._missing: dict[str, float] = {}  # url -> when it last answered without figures
+        self.waiting: dict[str, dict[int, int]] = {}  # url -> {dp_rank: uncached prompt tokens waiting}
+        self._prefilled: dict[str, dict[int | None, int]] = {}  # url -> rank -> waiting tokens prefilled since
         self.pools: dict[str, dict[int, int]] = {}  # url -> {dp_rank: KV pool size in tokens}
         self.polls = 0
         self.failures = 0
@@ -120,6 +135,27 @@ class EngineLoads:
             gone = ended.get(rank, 0) if ended else 0
         return max(0, n - gone)
 
+    def queued(self, url: str, rank: int | None, now: float | None = None) -> int | None:
+        """The engine's prefill work still ahead on a target (``num_waiting_uncached_tokens``; ``rank``
+        None: all ranks) less :meth:`prefilled`; None: stale, unknown, or not reported."""
+        snap = self.snapshots.get(url)
+        per = self.waiting.get(url)
+        if snap is None or per is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if now - snap[3] > STALE_INTERVALS * self.interval_s:
+            return None
+        done = self._prefilled.get(url)
+        if rank is None:
+            n = sum(per.values())
+            gone = sum(done.values()) if done else 0
+        else:
+            n = per.get(rank)
+            if n is None:
+                return None
+            gone = done.get(rank, 0) if done else 0
+        return max(0, n - gone)
+
     def capacity(self, url: str, rank: int | None) -> int | None:
         """The KV pool size in tokens of a target (``rank`` None: all ranks together); None: unknown.
 
@@ -131,12 +167,37 @@ class EngineLoads:
         return sum(pools.values()) if rank is None else pools.get(rank)
 
     def put(self, url: str, per_rank: dict[int, int], now: float | None = None, asked: float | None = None,
-            taken: float | None = None) -> None:
+            taken: float | None = None, waiting: dict[int, int] | None = None) -> None:
         """A new snapshot: ``per_rank`` as reported, arrived ``now``, asked for at ``asked`` (default: ``now``),
-        taken by the engine at ``taken`` (monotonic; default: none known, the age counts from ``now``)."""
+        taken by the engine at ``taken`` (monotonic; default: none known, the age counts from ``now``);
+        ``waiting``: ``{dp_rank: num_waiting_uncached_tokens}`` when the engine reports it."""
         now = time.monotonic() if now is None else now
         self.snapshots[url] = (now, per_rank, now if asked is None else asked, now if taken is None else min(taken, now))
         self._ended.pop(url, None)
+        self._prefilled.pop(url, None)
+        if waiting:
+            self.waiting[url] = waiting
+        else:
+            self.waiting.pop(url, None)
+
+    def _counted(self, url: str, sent: float, now: float | None) -> bool:
+        """Whether the current snapshot of ``url`` counts a request sent at ``sent`` that changed state
+        (ended, or finished its prefill) ``now``: it was in flight before the figures were taken (asked
+        for, when the engine gave no ``timestamp``) and the change came after the snapshot arrived."""
+        snap = self.snapshots.get(url)
+        if snap is None:
+            return False
+        now = time.monotonic() if now is None else now
+        cut = snap[2] if snap[3] == snap[0] else snap[3]  # taken, when the engine said; else asked
+        return sent < cut and now >= snap[0]
+
+    def prefilled(self, url: str, rank: int | None, sent: float, tokens: int, now: float | None = None) -> None:
+        """A request of this router on ``url``, sent at ``sent``, finished its prefill (its first answer
+        bytes arrived, or it ended): when the snapshot counted its ``tokens`` (uncached prompt) as
+        waiting, they are taken off :meth:`queued` until the next snapshot (as :meth:`ended` does)."""
+        if tokens > 0 and url in self.waiting and self._counted(url, sent, now):
+            per = self._prefilled.setdefault(url, {})
+            per[rank] = per.get(rank, 0) + tokens
 
     def ended(self, url: str, rank: int | None, sent: float, tokens: int, now: float | None = None) -> None:
         """A request of this router on ``url`` (``rank``; None: the worker chose) ended; it was sent at ``sent``.
@@ -147,18 +208,15 @@ class EngineLoads:
         off the engine's figure until the next snapshot.  Otherwise (sent later, or ended while
         the poll was out) the snapshot may not count it, and nothing is taken off.
         """
-        snap = self.snapshots.get(url)
-        if snap is None or tokens <= 0:
-            return
-        now = time.monotonic() if now is None else now
-        cut = snap[2] if snap[3] == snap[0] else snap[3]  # taken, when the engine said; else asked
-        if sent < cut and now >= snap[0]:
+        if tokens > 0 and self._counted(url, sent, now):
             per = self._ended.setdefault(url, {})
             per[rank] = per.get(rank, 0) + tokens
 
     def forget(self, url: str) -> None:
         self.snapshots.pop(url, None)
         self._ended.pop(url, None)
+        self._prefilled.pop(url, None)
+        self.waiting.pop(url, None)
         self._missing.pop(url, None)
         self.pools.pop(url, None)
 
@@ -176,14 +234,14 @@ class EngineLoads:
 
         self.polls += 1
         asked = time.monotonic()
-        per = stamp = None
+        per = stamp = waiting = None
         try:
             timeout = aiohttp.ClientTimeout(total=max(self.interval_s, 0.5))
             async with router.session.get(url + "/v1/loads?include=core", timeout=timeout) as r:
                 if r.status == 200:
                     try:
                         doc = await r.json(content_type=None)
-                        per, stamp = ranks_tokens(doc), taken_at(doc)
+                        per, stamp, waiting = ranks_tokens(doc), taken_at(doc), ranks_waiting(doc)
                         pools = ranks_capacity(doc)
                         if pools:
                             self.pools[url] = pools
@@ -194,17 +252,19 @@ class EngineLoads:
             self.failures += 1
             self.snapshots.pop(url, None)
             self._ended.pop(url, None)
+            self.waiting.pop(url, None)
             return  # asked again at the next interval
         if per is None:  # the worker has no such endpoint (404, not JSON, no figures): ask again much later
             self.failures += 1
             self.snapshots.pop(url, None)
             self._ended.pop(url, None)
+            self.waiting.pop(url, None)
             self._missing[url] = time.monotonic()
             return
         self._missing.pop(url, None)
         now = time.monotonic()
         taken = None if stamp is None else now - max(0.0, time.time() - stamp)
-        self.put(url, per, now, asked=asked, taken=taken)
+        self.put(url, per, now, asked=asked, taken=taken, waiting=waiting)
 
     async def run(self, router) -> None:
         while True:

@@ -3,6 +3,7 @@
 For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of a worker)::
 
     cost(t) = --kv-prefill-weight x (prompt_tokens - cached_tokens(t))
+            + --kv-prefill-weight x --kv-queue-weight x queued_prefill_tokens(t)
             + --kv-load-weight    x load_tokens(t)
 
 * ``cached_tokens(t)``: the prompt's prefix ``t`` holds (at most ``prompt[:-1]``:
@@ -24,6 +25,20 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   from the routing decision until its answer ends; while the engine's own
   ``/v1/loads`` figure is fresh, the larger of the two, the engine's less what
   this router saw end since it was taken (:mod:`.loads`).
+
+* ``queued_prefill_tokens(t)``: prefill work ahead of the request on ``t``: the
+  uncached prompt tokens (``prompt_tokens - cached_tokens`` at their decision) of
+  this router's requests on ``t`` whose prefill has not ended, i.e. from the
+  decision until the first answer bytes of a stream arrive (vLLM and SGLang send
+  the first chunk with the first token, as our engine does) or until a non-streamed
+  answer ends; while the engine's ``/v1/loads`` figure is fresh, the larger of that
+  and its ``num_waiting_uncached_tokens`` (less what this router saw prefilled since
+  it was taken, :meth:`.loads.EngineLoads.prefilled`).  It costs as much as the
+  request's own uncached tokens (``--kv-queue-weight`` 1): the engine must compute
+  it before or beside the request's own prefill, so it delays the first token as
+  much.  This is NVIDIA Dynamo's KV router term (its ``prefill_tokens`` per worker
+  are the request's new tokens plus the worker's active prefill tokens, cleared at
+  the first token, under the same overlap weight as the request's own).
 
 Lowest cost wins; ties go to the fewest in-flight requests, then to the target this policy
 chose least recently (one never chosen first; among those, registration order).  So sequential
@@ -72,7 +87,7 @@ class RouteKey:
     """One request's routing input and, after :meth:`KvAwarePolicy.select`, its decision."""
 
     __slots__ = ("text", "tokens", "prompt_tokens", "decode_tokens", "target", "rank", "branch", "cached",
-                 "charged", "reason", "tokenized", "_tree_text")
+                 "charged", "queued", "reason", "tokenized", "_tree_text")
 
     def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS):
         self.text = text
@@ -84,6 +99,7 @@ class RouteKey:
         self.branch = None  # exact / degraded / fallback, or session (pin)
         self.cached = 0  # predicted cached prompt tokens on the target
         self.charged = None  # (load key, tokens added to the load, monotonic time of the decision)
+        self.queued = 0  # uncached prompt tokens counted as queued prefill on the target until its prefill ends
         self.reason = None  # why the branch is fallback whatever the stream's trust (TOKENIZER, TEXT), or None
         self.tokenized = False  # the ids came from the router's tokenizer (not the request's own ids)
         self._tree_text = None
@@ -129,6 +145,35 @@ def _overflow(load: int, need: int, pool: int) -> int:
     return max(0, load + need - pool)
 
 
+def _shared_queued(tokens: list[int], cached: int, queued_keys) -> int:
+    """Tokens of the queued prefill (``queued_keys``' uncached parts) that fall inside the first ``cached``
+    tokens of ``tokens``: the request is predicted to use those pages, not to compute them, so its
+    queued-prefill term leaves them out (a burst of one new prefix then follows its first request).
+
+    For each queued request ``k``, its uncached range ``[k.cached, k.prompt_tokens)`` overlaps
+    ``[0, cached)`` as far as the two prompts agree; found with slice comparisons (C speed), a
+    binary search when they differ.  Cost: O(queued requests x log prompt) comparisons.
+    """
+    shared = 0
+    for k in queued_keys:
+        ktoks = k.tokens
+        lo, hi = k.cached, min(cached, len(ktoks) if ktoks is not None else 0)
+        if ktoks is None or hi <= lo or ktoks[:lo] != tokens[:lo]:
+            continue  # nothing of its queued part lies in the cached prefix, or they differ before it
+        if ktoks[lo:hi] == tokens[lo:hi]:
+            shared += hi - lo
+            continue
+        good, bad = lo, hi  # tokens[lo:good] agree, tokens[lo:bad] do not
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if ktoks[lo:mid] == tokens[lo:mid]:
+                good = mid
+            else:
+                bad = mid
+        shared += good - lo
+    return shared
+
+
 class KvAwarePolicy:
     """See the module docstring.  ``select`` runs on the event loop; events arrive on threads."""
 
@@ -136,9 +181,11 @@ class KvAwarePolicy:
 
     def __init__(self, prefill_weight: float = 1.0, load_weight: float = 0.1, speculative_ttl_s: float = 2.0,
                  max_blocks: int = 1 << 20, dp_aware: bool = False, tokenizer: RouterTokenizer | None = None,
-                 tokenize_threads: int = 2, route_header: bool = True, overflow_weight: float = 0.0) -> None:
+                 tokenize_threads: int = 2, route_header: bool = True, overflow_weight: float = 0.0,
+                 queue_weight: float = 1.0) -> None:
         self.route_header = route_header
         self.overflow_weight = overflow_weight
+        self.queue_weight = queue_weight
         self.prefill_weight = prefill_weight
         self.load_weight = load_weight
         self.speculative_ttl_s = speculative_ttl_s
@@ -149,6 +196,8 @@ class KvAwarePolicy:
         self._pool = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="kv-tokenize") if tokenizer else None
         self.subs: dict[str, dict[int, object]] = {}  # worker url -> rank -> Subscription (set by the sources)
         self.load_tokens: dict = {}  # (url, rank or None) -> in-flight tokens
+        self.queued_tokens: dict = {}  # (url, rank or None) -> uncached prompt tokens whose prefill has not ended
+        self.queued_keys: dict = {}  # (url, rank or None) -> the RouteKeys counted in queued_tokens
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
         self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
@@ -221,12 +270,14 @@ class KvAwarePolicy:
         best = None
         engine_loads = self.engine_loads
         now = time.monotonic() if engine_loads is not None else 0.0
-        load_tokens, inflight = self.load_tokens, self.inflight
+        load_tokens, inflight, queued_tokens = self.load_tokens, self.inflight, self.queued_tokens
         prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
         decode_tokens = key.decode_tokens
         overflow_weight = prefill_weight * self.overflow_weight
+        queue_weight = prefill_weight * self.queue_weight
         check = self.tokenizer_check
         chosen_at = self.chosen_at
+        terms = [] if log.isEnabledFor(logging.DEBUG) else None  # each target's cost terms, for the debug log
         for order, (w, rank, ranks) in enumerate(targets):
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
@@ -249,22 +300,35 @@ class KvAwarePolicy:
                         cached, branch = c, state
             cached = min(int(cached), cap)
             lk = (url, rank)
-            load = load_tokens.get(lk, 0)
+            load = mine = load_tokens.get(lk, 0)
+            seen = None
             if engine_loads is not None:  # the engine's own count, while fresh (loads.py)
                 seen = engine_loads.tokens(url, rank, now)
                 if seen is not None and seen > load:
                     load = seen
+            queued = queued_tokens.get(lk, 0) if queue_weight else 0
+            if engine_loads is not None and queue_weight:  # the engine's prefill work ahead, while fresh
+                waiting = engine_loads.queued(url, rank, now)
+                if waiting is not None and waiting > queued:
+                    queued = waiting
+            if queued and cached and tokens:  # the part of it this request shares is in its cached_tokens
+                queued = max(0, queued - _shared_queued(tokens, cached, self.queued_keys.get(lk, ())))
             uncached = prompt_tokens - cached
-            cost = prefill_weight * uncached + load_weight * load
+            cost = prefill_weight * uncached + queue_weight * queued + load_weight * load
             if engine_loads is not None and overflow_weight:  # KV that does not fit waits: see _overflow
                 pool = engine_loads.capacity(url, rank)
                 if pool is not None:
                     cost += overflow_weight * _overflow(load, uncached + decode_tokens, pool)
             reqs = inflight.get(lk, 0) if rank is not None else w.load
+            if terms is not None:
+                terms.append(f"{tenant} {branch} cached={cached} queued={queued} load={load} (router {mine}, "
+                             f"engine {'-' if seen is None else seen}) reqs={reqs} cost={cost:.1f}")
             score = (cost, reqs, chosen_at.get(lk, -1), order)  # ties: least recently chosen
             if best is None or score < best[0]:
                 best = (score, w, rank, branch, cached, reason)
         _, w, rank, branch, cached, reason = best
+        if terms is not None:
+            log.debug("kv_aware cost: prompt=%d decode=%d | %s", prompt_tokens, decode_tokens, " | ".join(terms))
         key.target, key.rank, key.branch, key.cached = (w.url, rank), rank, branch, cached
         key.reason = reason
         self._record(w.url, rank, key)
@@ -324,11 +388,40 @@ class KvAwarePolicy:
         self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
         self.inflight[lk] = self.inflight.get(lk, 0) + 1
         key.charged = (lk, n, time.monotonic())
+        q = key.prompt_tokens - key.cached  # its own prefill: queued ahead of the next request until it ends
+        key.queued = q
+        if q > 0:
+            self.queued_tokens[lk] = self.queued_tokens.get(lk, 0) + q
+            self.queued_keys.setdefault(lk, []).append(key)
+
+    def prefilled(self, key) -> None:
+        """The request's prefill ended (a stream's first answer bytes arrived): its uncached prompt tokens
+        are no longer queued prefill on its target.  Called again (or after :meth:`release`) it does nothing."""
+        if not isinstance(key, RouteKey) or not key.queued or key.charged is None:
+            return
+        lk, _, sent = key.charged
+        q, key.queued = key.queued, 0
+        left = self.queued_tokens.get(lk, 0) - q
+        if left > 0:
+            self.queued_tokens[lk] = left
+        else:
+            self.queued_tokens.pop(lk, None)
+        keys = self.queued_keys.get(lk)
+        if keys is not None:
+            for i, k in enumerate(keys):
+                if k is key:
+                    del keys[i]
+                    break
+            if not keys:
+                del self.queued_keys[lk]
+        if self.engine_loads is not None:  # a snapshot that counted it as waiting must not count it still
+            self.engine_loads.prefilled(lk[0], lk[1], sent, q)
 
     def release(self, key) -> None:
         """The request's answer ended (or its attempt failed): take its tokens out of the load."""
         if not isinstance(key, RouteKey) or key.charged is None:
             return
+        self.prefilled(key)  # a non-streamed answer (or a failed attempt): its prefill is over too
         lk, n, sent = key.charged
         key.charged = None
         if self.engine_loads is not None:  # a snapshot that still counts it must not count it twice
