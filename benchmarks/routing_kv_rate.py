@@ -31,7 +31,6 @@ the run length: the table states the window (model seconds) of every rate.
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
 import json
 import math

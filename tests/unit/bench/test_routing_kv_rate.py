@@ -4,7 +4,6 @@ import importlib.util
 import math
 import os
 import random
-import sys
 
 import pytest
 

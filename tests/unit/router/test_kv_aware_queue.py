@@ -7,7 +7,6 @@ template's first 24 are the same for every conversation, 16 decode tokens.
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import aiohttp
 import pytest
