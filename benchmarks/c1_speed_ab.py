@@ -50,6 +50,42 @@ def prompts_for(n: int) -> list[str]:
     return [f"Write a short story about {topics[i % len(topics)]} (number {i})." for i in range(n)]
 
 
+def write(args, argv, results, notes, modes, levels, nreq, rev, head, have_llama) -> None:
+    """Print the table of what was measured so far and write it into the doc (unless --no-write)."""
+    def med(key):
+        v = results.get(key)
+        return statistics.median(t for t, _, _ in v) if v else None
+
+    def loads(key):
+        return ", ".join(f"{ld:.1f}" for _, ld, _ in results.get(key, [])) or "-"
+
+    def fmt(x):
+        return f"{x:.1f}" if x is not None else "-"  # not measured (see the notes for failures)
+
+    rows = ["| --quantization | c | requests | base tok/s | new tok/s | new / base | llama-server tok/s | "
+            "new / llama-server | loads (1 min) at each new figure | retries (all systems) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for mode in modes:
+        for li, c in enumerate(levels):
+            b, n = med((mode, "base", c)), med((mode, "new", c))
+            ll = med((mode, "llama.cpp", c)) if c == min(levels) else None
+            retr = sum(x for s in ("base", "new", "llama.cpp") for _, _, x in results.get((mode, s, c), []))
+            rows.append(f"| {mode} | {c} | {nreq[li]} | {fmt(b)} | {fmt(n)} | "
+                        f"{f'{n / b:.2f}x' if b and n else '-'} | {fmt(ll) if c == min(levels) else '-'} | "
+                        f"{f'{n / ll:.2f}x' if ll and n else '-'} | {loads((mode, 'new', c))} | {retr} |")
+    body = "\n".join([
+        f"base = `{rev}` (before this change), new = `{head}`; {args.threads} threads each "
+        f"(`--torch-num-threads {args.threads}`, llama-server `-t {args.threads} -tb {args.threads}`), "
+        f"{args.max_new_tokens} output tokens per request, median of {args.rounds} rounds, systems in "
+        f"rotating order at each level. llama-server: `{ss.llama_server_version(args.llama_server) if have_llama else 'not run'}`"
+        f", the same GGUF (Q4_1 as is).", "", *rows, "", *[f"Note: {x}" for x in notes]])
+    print(body)
+    if not args.no_write:
+        cmd = "python benchmarks/c1_speed_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_section(args.section, "Concurrency 1 before / after, next to llama-server (SmolLM2, CPU, A/B)",
+                      cmd, body)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base-rev", required=True, help="git revision whose src is the 'base' server")
@@ -109,42 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for srv in servers.values():
                     ss.stop(srv)
+            write(args, argv, results, notes, modes, levels, nreq, rev, head, llama is not None)  # partial, kept
     finally:
         if llama is not None:
             ss.stop(llama)
 
-    def med(key):
-        v = results.get(key)
-        return statistics.median(t for t, _, _ in v) if v else None
-
-    def loads(key):
-        return ", ".join(f"{ld:.1f}" for _, ld, _ in results.get(key, [])) or "-"
-
-    def fmt(x):
-        return f"{x:.1f}" if x is not None else "failed"
-
-    rows = ["| --quantization | c | requests | base tok/s | new tok/s | new / base | llama-server tok/s | "
-            "new / llama-server | loads (1 min) at each new figure | retries (all systems) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for mode in modes:
-        for li, c in enumerate(levels):
-            b, n = med((mode, "base", c)), med((mode, "new", c))
-            ll = med((mode, "llama.cpp", c)) if c == min(levels) else None
-            retr = sum(x for s in ("base", "new", "llama.cpp") for _, _, x in results.get((mode, s, c), []))
-            rows.append(f"| {mode} | {c} | {nreq[li]} | {fmt(b)} | {fmt(n)} | "
-                        f"{f'{n / b:.2f}x' if b and n else '-'} | {fmt(ll) if c == min(levels) else '-'} | "
-                        f"{f'{n / ll:.2f}x' if ll and n else '-'} | {loads((mode, 'new', c))} | {retr} |")
-    body = "\n".join([
-        f"base = `{rev}` (before this change), new = `{head}`; {args.threads} threads each "
-        f"(`--torch-num-threads {args.threads}`, llama-server `-t {args.threads} -tb {args.threads}`), "
-        f"{args.max_new_tokens} output tokens per request, median of {args.rounds} rounds, systems in "
-        f"rotating order at each level. llama-server: `{ss.llama_server_version(args.llama_server) if llama else 'not run'}`"
-        f", the same GGUF (Q4_1 as is).", "", *rows, "", *[f"Note: {x}" for x in notes]])
-    print(body)
-    if not args.no_write:
-        cmd = "python benchmarks/c1_speed_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_section(args.section, "Concurrency 1 before / after, next to llama-server (SmolLM2, CPU, A/B)",
-                      cmd, body)
     return 0
 
 

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from fleetserve.core import fast_path
-from fleetserve.layers.fbgemm_calls import LINEAR_DYNAMIC_INT8, PackedFp16
+from fleetserve.layers.fbgemm_calls import LINEAR_DYNAMIC_FP16, LINEAR_DYNAMIC_INT8
 from fleetserve.layers.smooth_quant import ALPHA, restore_norms, smooth
 from fleetserve.layers.weight_only import INT4_GROUP_SIZES, Int4WeightOnlyGemm, Int8WeightOnlyGemm, int8_row_absmax
 
@@ -200,9 +200,9 @@ class Fp16WeightGemm:
     fbgemm converts the fp16 weight blocks to float32 in registers (F16C) and
     accumulates in float32, so only the weight's rounding to fp16 (relative
     error ~2e-4 per linear) differs from float32; the weight reads are halved.
-    Kernel: fbgemm's fp16 GEMM through aten's ``torch.fbgemm_linear_fp16_weight`` (or
-    ``torch.ops.quantized.linear_dynamic_fp16`` where aten's pair is gone): see
-    :mod:`fleetserve.layers.fbgemm_calls`. Same call signature as
+    Kernel pair: ``torch.ops.quantized.linear_prepack_fp16`` /
+    ``torch.ops.quantized.linear_dynamic_fp16`` (called through its resolved overload,
+    :mod:`fleetserve.layers.fbgemm_calls`). Same call signature as
     :class:`Int8DynamicGemm` (the ``weight`` argument is ignored).
     """
 
@@ -210,19 +210,19 @@ class Fp16WeightGemm:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
-        self._packed = PackedFp16(weight)  # called through aten's binding (layers/fbgemm_calls.py)
+        self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if (bias is None and fast_path.ENABLED and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]
                 and x.is_contiguous()):
-            return self._packed(x)  # the common case, no reshapes
+            return LINEAR_DYNAMIC_FP16(x, self._packed)  # the common case, no reshapes
         dtype, shape = x.dtype, x.shape
         x2 = x.reshape(-1, shape[-1]).float()
         if x2.shape[0] == 0:
             y = x2.new_zeros(0, self.out_features)
         else:
-            y = self._packed(x2.contiguous())
+            y = LINEAR_DYNAMIC_FP16(x2.contiguous(), self._packed)
         if bias is not None:
             y = y + bias.float()
         y = y.reshape(*shape[:-1], self.out_features)
