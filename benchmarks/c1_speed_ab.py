@@ -8,6 +8,8 @@ llama.cpp's ``llama-server`` (``--llama-server``) on the same GGUF throughout. A
 the systems take turns, order rotating by round, ``--rounds`` times, so load from other jobs
 falls on all of them alike; the table gives the median tok/s over the rounds, new / base, and at
 concurrency 1 new / llama-server. Each load average (1 min) is written next to its figure.
+The section is rewritten after every mode, so an interrupted run keeps what it measured (modes
+not reached show ``-``).
 
 Clients, prompts and the check that every request returns exactly its ``max_tokens`` are those
 of the systems benchmark (``serving_systems.measure``: streaming ``/v1/completions``, greedy,
