@@ -103,17 +103,19 @@ def stop(server: Server) -> None:
 
 
 def fleetserve_server(model_path: str, quantization: str, threads: int, timeout_s: float = 600,
-                      wait: bool = True) -> Server:
+                      wait: bool = True, src: str | None = None, name: str | None = None) -> Server:
     """``fleetserve serve`` with ``--quantization quantization --torch-num-threads threads`` (one rank).
 
-    ``wait=False``: return at once (call :func:`wait_ready` later), so several start together."""
+    ``wait=False``: return at once (call :func:`wait_ready` later), so several start together.
+    ``src``: the ``src`` folder to run fleetserve from (default: this checkout's), e.g. an older
+    revision's for an A/B run; ``name``: the server's display name."""
     port = _free_port()
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    src = src or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", model_path, "--host", "127.0.0.1",
            "--port", str(port), "--quantization", quantization, "--torch-num-threads", str(threads),
            "--random-seed", "0", "--disable-uvicorn-access-log", "--log-level", "warning"]
-    return _start(f"fleetserve {quantization}", cmd, port, timeout_s, env, wait)
+    return _start(name or f"fleetserve {quantization}", cmd, port, timeout_s, env, wait)
 
 
 def llama_server_version(binary: str) -> str:
@@ -139,22 +141,31 @@ def llama_server(binary: str | None, gguf: str, threads: int, parallel: int, ctx
     return srv
 
 
+#: resends per request after a try that got no byte of a response (see :func:`measure`)
+RETRIES = 2
+
+
 @dataclass
 class Result:
-    """One system at one level: output tokens/s, mean TTFT (s), requests, output tokens, failures."""
+    """One system at one level: output tokens/s, mean TTFT (s), requests, output tokens, failures,
+    and retries (requests sent again after a try that got no byte of a response)."""
 
     tps: float
     ttft: float
     requests: int
     tokens: int
     failed: int
+    retries: int = 0
 
 
 def measure(base: str, prompts: list[str], max_tokens: list[int], conc: int, tag: str) -> Result:
     """Closed loop of ``conc`` streaming greedy ``/v1/completions`` requests (``ignore_eos``) to ``base``.
 
     Raises ``RuntimeError`` when a request fails or returns other than its ``max_tokens``
-    (so a system that stops early or ignores ``ignore_eos`` cannot look fast).
+    (so a system that stops early or ignores ``ignore_eos`` cannot look fast). A try that failed
+    before any byte of a response came back (llama-server once closed a kept-alive connection under
+    the client: "Can not write request body") is sent again, at most ``RETRIES`` times per request;
+    the retries are counted in the result (and the table), never hidden.
     """
     from fleetserve.bench.client import run_requests
     from fleetserve.bench.workloads import BenchRequest
@@ -162,14 +173,15 @@ def measure(base: str, prompts: list[str], max_tokens: list[int], conc: int, tag
     reqs = [BenchRequest(rid=f"{tag}-{i}", messages=[{"role": "user", "content": p}], prompt_len=len(p.split()),
                          output_len=n, group=f"{tag}-{i}") for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     results, duration = asyncio.run(run_requests(base, reqs, api="completions", max_concurrency=conc,
-                                                 progress=False, timeout_s=1800))
+                                                 progress=False, timeout_s=1800, retries=RETRIES))
     bad = [r for r, q in zip(results, reqs) if not r.success or r.completion_tokens != q.output_len]
     if bad:
         r = bad[0]
         raise RuntimeError(f"{base}: {len(bad)} of {len(results)} requests failed or short, e.g. {r.rid}: "
                            f"status {r.status}, {r.completion_tokens} tokens, {r.error[:300]}")
     tokens = sum(r.completion_tokens for r in results)
-    return Result(tokens / duration, statistics.mean(r.ttft for r in results), len(results), tokens, 0)
+    return Result(tokens / duration, statistics.mean(r.ttft for r in results), len(results), tokens, 0,
+                  sum(r.retries for r in results))
 
 
 def cpu_description() -> tuple[str, list[str]]:

@@ -154,7 +154,8 @@ def _section(args, rows, systems, version, via, notes, levels, mixed_range) -> s
         + f"transformers "
         f"`torch.set_num_threads({args.threads})`). Servers: streaming `/v1/completions`, greedy, "
         f"`ignore_eos`, closed loop with *c* requests in flight, one client (`fleetserve.bench.client`); "
-        f"every request checked to return exactly its `max_tokens`. TTFT = request sent -> first text chunk "
+        f"every request checked to return exactly its `max_tokens`; a try that got no byte of a response is "
+        f"sent again (at most {ss.RETRIES} times, counted under *retries*). TTFT = request sent -> first text chunk "
         f"(transformers: the batch's prefill, `generate(max_new_tokens=1)`). Equal: {args.max_new_tokens} "
         f"output tokens each; mixed: uniform in {mixed_range[0]}..{mixed_range[1]} (seed 0), a transformers "
         f"batch running to its longest member and only each request's own tokens counted.",
@@ -169,13 +170,16 @@ def _section(args, rows, systems, version, via, notes, levels, mixed_range) -> s
                  "requests' next tokens in one `llama_decode` batch, slots refilled as requests finish (the "
                  "engine llama-server drives), greedy argmax, no HTTP, no sampler chain; TTFT from admission to "
                  f"a slot. {threads_note(args)}" + (f" Built: {args.llama_note}." if args.llama_note else ""), ""]
-    body += ["| output lengths | c | requests | system | output tok/s | vs float32 | vs llama.cpp | mean TTFT ms |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+    body += ["| output lengths | c | requests | system | output tok/s | vs float32 | vs llama.cpp | mean TTFT ms "
+             "| retries |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for kind, c, n, name, r in rows:
         base, ll = by.get((kind, c, "none")), by.get((kind, c, "llama.cpp"))
         tps = f"{r.tps:.1f}" if r else "failed"
         ttft = f"{r.ttft * 1000:.0f}" if r else "-"
-        body.append(f"| {kind} | {c} | {n} | {_label(name, via)} | {tps} | {ratio(r, base)} | {ratio(r, ll)} | {ttft} |")
+        retries = str(r.retries) if r else "-"
+        body.append(f"| {kind} | {c} | {n} | {_label(name, via)} | {tps} | {ratio(r, base)} | {ratio(r, ll)} | {ttft} "
+                    f"| {retries} |")
     body.append("")
     # the issue's aims
     fs = [m for m in systems if m in MODES]

@@ -67,10 +67,16 @@ class RequestResult:
     worker: str | None = None
     route: str | None = None  # the router's x-fleetserve-route header, when it sent one
     text: str = ""
+    #: times this request was sent again after a try that failed before any byte of a response
+    #: came back (``run_requests(retries=...)``); counted, never hidden
+    retries: int = 0
+    #: the last try failed before the response's status line arrived (nothing reached the client)
+    unanswered: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("text")
+        d.pop("unanswered")
         return d
 
 
@@ -133,8 +139,10 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: BenchRequest, 
     res.start = t0
     last = t0
     pieces: list[str] = []
+    answered = False
     try:
         async with session.post(url, json=body) as resp:
+            answered = True
             res.status = resp.status
             res.worker = resp.headers.get(WORKER_HEADER)
             res.route = resp.headers.get("x-fleetserve-route")
@@ -181,6 +189,23 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: BenchRequest, 
                 res.error = "empty response"
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
+        res.unanswered = not answered and not isinstance(e, asyncio.TimeoutError)
+    return res
+
+
+async def send_with_retries(session: aiohttp.ClientSession, url: str, req: BenchRequest, retries: int = 0,
+                            **kw) -> RequestResult:
+    """:func:`send_one`, sent again (at most ``retries`` more times) while a try fails before any
+    byte of a response arrived (e.g. aiohttp's "Can not write request body" when the server closed
+    a kept-alive connection): nothing of that try reached the client, so a retry cannot double-count
+    tokens. ``RequestResult.retries`` says how many retries it took; a request still failing after
+    them is returned failed. Timeouts and failures after the status line are never retried."""
+    res = await send_one(session, url, req, **kw)
+    n = 0
+    while not res.success and res.unanswered and n < retries:
+        n += 1
+        res = await send_one(session, url, req, **kw)
+    res.retries = n
     return res
 
 
@@ -189,8 +214,11 @@ async def run_requests(base_url: str, requests: list[BenchRequest], api: str = "
                        stream: bool = True, ignore_eos: bool = True, time_scale: float = 1.0,
                        progress: bool = True, timeout_s: float = 3600.0,
                        api_key: str | None = None,
-                       url_for=None) -> tuple[list[RequestResult], float]:
+                       url_for=None, retries: int = 0) -> tuple[list[RequestResult], float]:
     """Drive ``requests`` against ``base_url``; returns ``(results in input order, duration in s)``.
+
+    ``retries``: resend a request whose try failed before any byte of a response came back, at
+    most this many times (:func:`send_with_retries`; counted in ``RequestResult.retries``).
 
     ``api_key``: sent as ``Authorization: Bearer <api_key>`` on every request.
     ``url_for``: ``(index, request) -> base URL`` to send request ``index`` somewhere else than
@@ -241,11 +269,12 @@ async def run_requests(base_url: str, requests: list[BenchRequest], api: str = "
                     req = with_history(req, sent_messages[req.history_from], prev.text)
                 sent_messages[req.rid] = req.messages
                 to = url if url_for is None else url_for(i, req).rstrip("/") + path
+                kw = dict(api=api, model=model, stream=stream, ignore_eos=ignore_eos, time_scale=time_scale)
                 if sem is not None:
                     async with sem:
-                        results[i] = await send_one(session, to, req, api, model, stream, ignore_eos, time_scale)
+                        results[i] = await send_with_retries(session, to, req, retries, **kw)
                 else:
-                    results[i] = await send_one(session, to, req, api, model, stream, ignore_eos, time_scale)
+                    results[i] = await send_with_retries(session, to, req, retries, **kw)
                 by_rid[req.rid] = results[i]
             finally:
                 done_events[req.rid].set()

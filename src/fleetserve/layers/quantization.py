@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from fleetserve.core import fast_path
+from fleetserve.layers.fbgemm_calls import LINEAR_DYNAMIC_FP16, LINEAR_DYNAMIC_INT8
 from fleetserve.layers.smooth_quant import ALPHA, restore_norms, smooth
 from fleetserve.layers.weight_only import INT4_GROUP_SIZES, Int4WeightOnlyGemm, Int8WeightOnlyGemm, int8_row_absmax
 
@@ -183,10 +184,10 @@ class Int8DynamicGemm:
             y = x2.new_zeros(0, self.out_features)
         elif self._per_token:
             r = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
-            y = torch.ops.quantized.linear_dynamic((x2 / r).contiguous(), self._packed, self._reduce_range)
+            y = LINEAR_DYNAMIC_INT8((x2 / r).contiguous(), self._packed, self._reduce_range)
             y.mul_(r)
         else:
-            y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, self._reduce_range)
+            y = LINEAR_DYNAMIC_INT8(x2.contiguous(), self._packed, self._reduce_range)
         if bias is not None:
             y = y + bias.float()
         y = y.reshape(*shape[:-1], self.out_features)
@@ -200,7 +201,8 @@ class Fp16WeightGemm:
     accumulates in float32, so only the weight's rounding to fp16 (relative
     error ~2e-4 per linear) differs from float32; the weight reads are halved.
     Kernel pair: ``torch.ops.quantized.linear_prepack_fp16`` /
-    ``torch.ops.quantized.linear_dynamic_fp16``. Same call signature as
+    ``torch.ops.quantized.linear_dynamic_fp16`` (called through its resolved overload,
+    :mod:`fleetserve.layers.fbgemm_calls`). Same call signature as
     :class:`Int8DynamicGemm` (the ``weight`` argument is ignored).
     """
 
@@ -214,13 +216,13 @@ class Fp16WeightGemm:
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if (bias is None and fast_path.ENABLED and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]
                 and x.is_contiguous()):
-            return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)  # the common case, no reshapes
+            return LINEAR_DYNAMIC_FP16(x, self._packed)  # the common case, no reshapes
         dtype, shape = x.dtype, x.shape
         x2 = x.reshape(-1, shape[-1]).float()
         if x2.shape[0] == 0:
             y = x2.new_zeros(0, self.out_features)
         else:
-            y = torch.ops.quantized.linear_dynamic_fp16(x2.contiguous(), self._packed)
+            y = LINEAR_DYNAMIC_FP16(x2.contiguous(), self._packed)
         if bias is not None:
             y = y + bias.float()
         y = y.reshape(*shape[:-1], self.out_features)
