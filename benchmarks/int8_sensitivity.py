@@ -13,9 +13,15 @@ prompt + its float32 continuation gives, at the continuation positions:
 Linears left in float32 use the SmoothQuant-smoothed weight (the RMSNorms are smoothed once for
 all variants), so a variant differs from float32 only by the int8 rounding of its int8 linears.
 
+``--numerics`` adds a table that splits the error by source with emulated ("fake") quantization in
+float32 (:class:`FakeGemm`): weights rounded per row to int8 and back, activations rounded per token
+to fbgemm's 7-bit grid and back (``torch.quantize_per_tensor_dynamic``), each with one or two
+terms (two = the rounding error rounded again, ``Int8DynamicGemm(act_passes=2, weight_passes=2)``),
+with and without SmoothQuant.
+
 Usage::
 
-    python benchmarks/int8_sensitivity.py --prompts 8 --tokens 32
+    python benchmarks/int8_sensitivity.py --prompts 8 --tokens 32 [--numerics] [--per-layer]
 """
 
 from __future__ import annotations
@@ -40,6 +46,33 @@ class FloatGemm:
 
     def __call__(self, x, weight=None, bias=None):
         return F.linear(x, self.w, bias)
+
+
+def wq(w: torch.Tensor) -> torch.Tensor:
+    """Per-row symmetric int8 rounding of ``w`` and back (float32)."""
+    s = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
+    return (w / s).round().clamp(-127, 127) * s
+
+
+def aq(x: torch.Tensor) -> torch.Tensor:
+    """Per-token 7-bit rounding of ``x [N, in]`` on fbgemm's grid and back (what one int8 pass sees)."""
+    r = x.abs().amax(1, keepdim=True).clamp(min=1e-12)
+    return torch.quantize_per_tensor_dynamic((x / r).contiguous(), torch.quint8, True).dequantize() * r
+
+
+class FakeGemm:
+    """Emulated int8 linear: ``w_terms`` / ``a_terms`` int8 terms for weight / activation (0 = float32)."""
+
+    def __init__(self, w: torch.Tensor, a_terms: int, w_terms: int) -> None:
+        self.w = w if w_terms == 0 else (wq(w) if w_terms == 1 else wq(w) + wq(w - wq(w)))
+        self.a = a_terms
+
+    def __call__(self, x, weight=None, bias=None):
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        if self.a:
+            q = aq(x2)
+            x2 = q + aq(x2 - q) if self.a == 2 else q
+        return F.linear(x2, self.w, bias).reshape(*x.shape[:-1], self.w.shape[0])
 
 
 def forward_logits(model, seqs: list[list[int]], dtype=torch.float32) -> torch.Tensor:
@@ -73,12 +106,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--per-layer", action="store_true", help="also one layer at a time (all its linears)")
+    ap.add_argument("--numerics", action="store_true", help="also the error by source (emulated quantization)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
     from fleetserve.layers.linear import ParallelLMHead
     from fleetserve.layers.quantization import Int8DynamicGemm, _targets, has_vnni
-    from fleetserve.layers.smooth_quant import ALPHA, smooth
+    from fleetserve.layers.smooth_quant import ALPHA, restore_norms, smooth
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer
     from quant_modes import build
@@ -102,7 +136,8 @@ def main(argv=None) -> int:
     sel = torch.tensor(sel)
 
     layers = _targets(model)
-    eff = smooth(model.int8_smoothing_groups(), runner.int8_calibrator()(layers), ALPHA)
+    calib = runner.int8_calibrator()(layers)
+    eff = smooth(model.int8_smoothing_groups(), calib, ALPHA)
     smoothed = {m: eff.get(m, m.weight.detach().float()) for m in layers}
     rr = not has_vnni()
     i8 = {m: Int8DynamicGemm(smoothed[m], reduce_range=rr) for m in layers}
@@ -153,6 +188,21 @@ def main(argv=None) -> int:
     for name, s in variants:
         agree, err, margin = run(s)
         print(f"| {name} | {agree:.1%} | {err:.2%} | {margin:.2f} |", flush=True)
+    if a.numerics:
+        print("\n| SmoothQuant | activations | weights | top-1 = float32 | logit err | flip margin (median) |\n"
+              "|---|---|---|---|---|---|")
+        for smoothed_run in (False, True):
+            restore_norms(model)
+            e = smooth(model.int8_smoothing_groups(), calib, ALPHA) if smoothed_run else {}
+            w = {m: e.get(m, m.weight.detach().float()) for m in layers}
+            for at, wt in ((1, 1), (0, 1), (1, 0), (2, 1), (1, 2), (2, 2), (2, 0)):
+                for m in layers:
+                    fl[m] = FakeGemm(w[m], at, wt)
+                agree, err, margin = run(set())
+                lab = lambda t: ("float32", "int8", "2 x int8")[t]
+                print(f"| {'yes' if smoothed_run else 'no'} | {lab(at)} | {lab(wt)} | {agree:.1%} | {err:.2%} | "
+                      f"{margin:.2f} |", flush=True)
+        restore_norms(model)
     return 0
 
 
