@@ -183,8 +183,8 @@ class Int8DynamicGemm:
     without loss): ``y_i = r_i (q W^T + r2 (e / r2) W^T)``. The error left is ``e``'s own
     rounding (``s r2 / 2`` per element, ``r2 <= s / 2``): ~1/128 of one pass's. Costs the
     rows twice over in one call (the weight is read once) and a few ``[N, in]`` element-wise
-    ops. This is residual ("two-step") quantization of the activations, as in ZeroQuant-V2's
-    and QUIK's practice of spending a second low-bit term on the part the first one loses.
+    ops. This is residual (two-term) quantization: this project's arrangement for issue 16,
+    not a published recipe; measured in ``benchmarks/int8_sensitivity.py``.
 
 
     ``weight_passes=2`` (with ``act_passes=2``): the weight's rounding error is a second int8
