@@ -19,8 +19,15 @@ from fleetserve.layers.smooth_quant import restore_norms
 
 #: Benchmark-only int8 variants (no such ``--quantization`` values): ``int8-plain`` = one
 #: activation scale per call, no SmoothQuant (the int8 before them); ``int8-smooth`` = SmoothQuant
-#: only; ``int8-token`` = per-token activation scales only. ``int8`` = both.
-INT8_VARIANTS = ("int8-plain", "int8-smooth", "int8-token")
+#: only; ``int8-token`` = per-token activation scales only. ``int8`` = both. ``int8-resact`` = ``int8``
+#: with two-term (residual) activations; ``int8-res`` = two-term activations and weights
+#: (``Int8DynamicGemm(act_passes=2, weight_passes=2)``; issue 16, ``benchmarks/int8_sensitivity.py``).
+#: ``int8-head`` = fp16 weights for the decoder linears (``fp16_weight``) and an int8 LM head whose
+#: top 16 logits per row are recomputed in float32 (``fleetserve.layers.rescored_head``).
+INT8_VARIANTS = ("int8-plain", "int8-smooth", "int8-token", "int8-resact", "int8-res", "int8-head")
+#: variant -> (smoothing, per_token, act_passes, weight_passes)
+_VARIANT_ARGS = {"": (True, True, 1, 1), "plain": (False, False, 1, 1), "smooth": (True, False, 1, 1),
+                 "token": (False, True, 1, 1), "resact": (True, True, 2, 1), "res": (True, True, 2, 2)}
 
 
 class ModeSwitcher:
@@ -35,9 +42,20 @@ class ModeSwitcher:
             for m in self.layers:
                 m._gemm = PackedLinear()
             base, _, variant = mode.partition("-") if mode.startswith("int8-") else (mode, "", "")
-            applied = apply_quantization(runner.model, base, runner.device, calibrate=runner.int8_calibrator(),
-                                         smoothing=variant in ("", "smooth"), per_token=variant in ("", "token"))
-            assert applied == base or (mode == "auto"), (mode, applied)
+            if variant == "head":
+                from fleetserve.layers.linear import ParallelLMHead
+                from fleetserve.layers.rescored_head import RescoredInt8Head
+
+                assert apply_quantization(runner.model, "fp16_weight", runner.device) == "fp16_weight"
+                for m in self.layers:
+                    if isinstance(m, ParallelLMHead):
+                        m._gemm = RescoredInt8Head(m.weight)
+            else:
+                smoothing, per_token, ap, wp = _VARIANT_ARGS[variant]
+                applied = apply_quantization(runner.model, base, runner.device, calibrate=runner.int8_calibrator(),
+                                             smoothing=smoothing, per_token=per_token, act_passes=ap,
+                                             weight_passes=wp)
+                assert applied == base or (mode == "auto"), (mode, applied)
             self.gemms[mode] = [m._gemm for m in self.layers]
             self.norms[mode] = [n.weight.detach().clone() for n in self.norm_layers]  # int8 folds s into them
         restore_norms(runner.model)

@@ -145,6 +145,18 @@ def quantize_weight_per_row(weight: torch.Tensor) -> torch.Tensor:
         return torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
 
 
+def activation_grid(reduce_range: bool) -> tuple[float, int]:
+    """(scale, zero point) fbgemm's dynamic quantizer picks for an input spanning ``[-1, 1]``.
+
+    The same ``ChooseQuantizationParams`` rule ``linear_dynamic`` applies to its input (via
+    ``torch.quantize_per_tensor_dynamic``): uint8, 0..127 with ``reduce_range`` else 0..255.
+    """
+    with warnings.catch_warnings():  # quantized tensors are deprecated; only the two numbers are kept
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_tensor_dynamic(torch.tensor([-1.0, 1.0]), torch.quint8, bool(reduce_range))
+    return float(q.q_scale()), int(q.q_zero_point())
+
+
 class Int8DynamicGemm:
     """``y = x @ W.T (+ bias)`` through fbgemm's dynamic int8 linear, for one weight.
 
@@ -161,17 +173,72 @@ class Int8DynamicGemm:
     full 7 / 8-bit range, and one token with huge activations (SmolLM2's first tokens reach
     ~100x the median in the down projection's input) no longer flattens the others to a few
     levels. Costs one row maximum, one ``[N, in]`` division and one ``[N, out]`` product.
+
+    ``act_passes=2`` (with ``per_token``; what ``--quantization int8`` uses): the activation
+    rounding error is quantized too, so activations carry ~14 bits instead of 7 and the
+    weight's 8 bits are what is left. Each scaled row ``u = x_i / r_i`` is rounded here to
+    fbgemm's own grid (:func:`activation_grid`), ``q = round(u / s) s``; the remainder
+    ``e = u - q`` is scaled by its own row maximum ``r2`` to span the grid too; and one
+    fbgemm call multiplies the stacked ``[q; e / r2; range row]`` (``2N + 1`` rows: the last
+    row holds the grid's two ends, so fbgemm picks exactly that grid and re-quantizes ``q``
+    without loss): ``y_i = r_i (q W^T + r2 (e / r2) W^T)``. The error left is ``e``'s own
+    rounding (``s r2 / 2`` per element, ``r2 <= s / 2``): ~1/128 of one pass's. Costs the
+    rows twice over in one call (the weight is read once) and a few ``[N, in]`` element-wise
+    ops. This is residual (two-term) quantization: this project's arrangement for issue 16,
+    not a published recipe; measured in ``benchmarks/int8_sensitivity.py``.
+
+
+    ``weight_passes=2`` (with ``act_passes=2``): the weight's rounding error is a second int8
+    matrix, ``W = W1 + W2`` (``W2`` = the per-row int8 of ``W - W1``), packed as extra output
+    rows ``[W1; W2]``, and ``y = q W1^T + q W2^T + e W1^T`` (the ``e W2^T`` block, ~2^-14 of
+    ``y``, is computed and dropped): ~15-bit weights, twice the weight bytes (fp16's) and
+    twice the output columns.
     """
 
-    __slots__ = ("_packed", "_reduce_range", "_per_token", "out_features", "in_features")
+    __slots__ = ("_packed", "_reduce_range", "_per_token", "_passes", "_wpasses", "_grid", "out_features",
+                 "in_features")
 
-    def __init__(self, weight: torch.Tensor, reduce_range: bool | None = None, per_token: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, reduce_range: bool | None = None, per_token: bool = True,
+                 act_passes: int = 1, weight_passes: int = 1) -> None:
         if reduce_range is None:
             reduce_range = not has_vnni()
+        if act_passes not in (1, 2) or weight_passes not in (1, 2):
+            raise ValueError(f"act_passes and weight_passes must be 1 or 2, got {act_passes!r}, {weight_passes!r}")
+        if weight_passes == 2 and (act_passes != 2 or not per_token):
+            raise ValueError("weight_passes=2 needs act_passes=2 and per_token")
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self._reduce_range = bool(reduce_range)
         self._per_token = bool(per_token)
-        self._packed = torch.ops.quantized.linear_prepack(quantize_weight_per_row(weight), None)
+        self._passes = int(act_passes) if per_token else 1
+        self._wpasses = int(weight_passes)
+        w = weight.detach().float()
+        if weight_passes == 2:
+            w1 = quantize_weight_per_row(w).dequantize()
+            w = torch.cat([w1, w - w1])  # requantized per row: the W1 rows give back their own codes
+        self._packed = torch.ops.quantized.linear_prepack(quantize_weight_per_row(w), None)
+        self._grid = None
+        if self._passes == 2:
+            scale, zp = activation_grid(self._reduce_range)
+            qmax = 127 if self._reduce_range else 255
+            lo, hi = -zp * scale, (qmax - zp) * scale
+            ends = torch.zeros(1, self.in_features)
+            ends[0, 0], ends[0, -1] = lo, hi
+            self._grid = (scale, float(-zp), float(qmax - zp), min(-lo, hi), ends)
+
+    def _two_pass(self, x2: torch.Tensor) -> torch.Tensor:
+        scale, kmin, kmax, half, ends = self._grid
+        n = x2.shape[0]
+        r = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30).div_(half)
+        u = x2 / r  # rows in [-half, half], inside the grid
+        q = (u / scale).round_().clamp_(kmin, kmax).mul_(scale)
+        e = u.sub_(q)
+        r2 = e.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30).div_(half)
+        stacked = torch.cat([q, e.div_(r2), ends])
+        y = torch.ops.quantized.linear_dynamic(stacked, self._packed, self._reduce_range)
+        if self._wpasses == 2:
+            o = self.out_features
+            return y[n:2 * n, :o].mul(r2).add_(y[:n, :o]).add_(y[:n, o:]).mul_(r)
+        return y[n:2 * n].mul_(r2).add_(y[:n]).mul_(r)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,6 +249,8 @@ class Int8DynamicGemm:
             x2 = x2.float()
         if x2.shape[0] == 0:
             y = x2.new_zeros(0, self.out_features)
+        elif self._passes == 2:
+            y = self._two_pass(x2)
         elif self._per_token:
             r = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
             y = LINEAR_DYNAMIC_INT8((x2 / r).contiguous(), self._packed, self._reduce_range)
@@ -237,7 +306,8 @@ def _targets(model: nn.Module) -> list[nn.Module]:
 
 def apply_quantization(model: nn.Module, value: str | None, device: str | torch.device = "cpu",
                        calibrate: Callable[[Sequence[nn.Module]], dict] | None = None,
-                       smoothing: bool = True, per_token: bool = True) -> str:
+                       smoothing: bool = True, per_token: bool = True, act_passes: int = 1,
+                       weight_passes: int = 1) -> str:
     """Quantize ``model``'s linears in place per ``--quantization value``; returns the mode used.
 
     Call after the weights are loaded (again with another mode if need be: every mode is made
@@ -252,6 +322,8 @@ def apply_quantization(model: nn.Module, value: str | None, device: str | torch.
     (:mod:`fleetserve.layers.smooth_quant`); ``smoothing=False`` (benchmarks) skips that and
     gives the plain W8A8 of every linear; ``per_token=False`` (benchmarks) one activation scale
     per call instead of per token (:class:`Int8DynamicGemm`). Both off = the int8 of before.
+    ``act_passes`` / ``weight_passes`` (benchmarks; 1 = ``--quantization int8``): residual
+    (two-term) int8 activations / weights, :class:`Int8DynamicGemm`.
 
     Raises:
         ValueError: bad value, or int8 asked for where it cannot run (names ``--quantization``).
@@ -291,7 +363,8 @@ def apply_quantization(model: nn.Module, value: str | None, device: str | torch.
         how = (f"SmoothQuant alpha {ALPHA} on {len(eff)} of them ({len(groups)} groups, s folded into "
                "the RMSNorm weights and the up / V rows; calibrated on a built-in text)")
     for m in layers:
-        m._gemm = Int8DynamicGemm(eff.get(m, m.weight), reduce_range=reduce_range, per_token=per_token)
+        m._gemm = Int8DynamicGemm(eff.get(m, m.weight), reduce_range=reduce_range, per_token=per_token,
+                                  act_passes=act_passes, weight_passes=weight_passes)
     logger.info("--quantization %s: %d linears int8 (fbgemm dynamic W8A8, per-row weight scales, "
                 "%d-bit activations with one scale per %s: VNNI %s; CPU capability %s); %s", value, len(layers),
                 7 if reduce_range else 8, "token" if per_token else "call", "no" if reduce_range else "yes",
