@@ -34,3 +34,6 @@ def test_int8_resolved_equals_packet(reduce_range):
     ref = torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
     assert torch.equal(LINEAR_DYNAMIC_INT8(x, packed, reduce_range), ref)
     r = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+    gemm = Int8DynamicGemm(w, reduce_range=reduce_range)  # per-token scales: rows divided by |x|max first
+    want = torch.ops.quantized.linear_dynamic((x / r).contiguous(), packed, reduce_range) * r
+    assert torch.equal(gemm(x), want)
