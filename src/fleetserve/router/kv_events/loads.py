@@ -118,42 +118,30 @@ class EngineLoads:
     def tokens(self, url: str, rank: int | None, now: float | None = None) -> int | None:
         """The engine's tokens on a target (``rank`` None: all ranks) less :meth:`ended`; None: stale / unknown."""
         snap = self.snapshots.get(url)
-        if snap is None:
-            return None
-        now = time.monotonic() if now is None else now
-        if now - snap[3] > STALE_INTERVALS * self.interval_s:
-            return None
-        per = snap[1]
-        ended = self._ended.get(url)
-        if rank is None:
-            n = sum(per.values())
-            gone = sum(ended.values()) if ended else 0
-        else:
-            n = per.get(rank)
-            if n is None:
-                return None
-            gone = ended.get(rank, 0) if ended else 0
-        return max(0, n - gone)
+        return self._fresh_less(snap, snap and snap[1], self._ended.get(url), rank, now)
 
     def queued(self, url: str, rank: int | None, now: float | None = None) -> int | None:
         """The engine's prefill work still ahead on a target (``num_waiting_uncached_tokens``; ``rank``
         None: all ranks) less :meth:`prefilled`; None: stale, unknown, or not reported."""
-        snap = self.snapshots.get(url)
-        per = self.waiting.get(url)
+        return self._fresh_less(self.snapshots.get(url), self.waiting.get(url), self._prefilled.get(url), rank, now)
+
+    def _fresh_less(self, snap, per: dict | None, gone_per: dict | None, rank: int | None,
+                    now: float | None) -> int | None:
+        """``per[rank]`` (``rank`` None: the sum over ranks) less what this router saw since (``gone_per``),
+        floored at 0; None when the snapshot is missing or stale, or the figure was not reported."""
         if snap is None or per is None:
             return None
         now = time.monotonic() if now is None else now
         if now - snap[3] > STALE_INTERVALS * self.interval_s:
             return None
-        done = self._prefilled.get(url)
         if rank is None:
             n = sum(per.values())
-            gone = sum(done.values()) if done else 0
+            gone = sum(gone_per.values()) if gone_per else 0
         else:
             n = per.get(rank)
             if n is None:
                 return None
-            gone = done.get(rank, 0) if done else 0
+            gone = gone_per.get(rank, 0) if gone_per else 0
         return max(0, n - gone)
 
     def capacity(self, url: str, rank: int | None) -> int | None:
