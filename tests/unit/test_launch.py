@@ -135,3 +135,70 @@ def test_router_flags_the_policy_does_not_read_are_said_before_anything_starts(m
     assert (code, len(started)) == (0, 1)
     assert ("[launch] warning: --router-args: --kv-load-weight has no effect under --policy round_robin (read only "
             "under kv_aware)\n") in capsys.readouterr().out
+
+
+# ------------------------------------------- --host / --port inside --router-args: launch follows them
+
+def _launch(monkeypatch, capsys, argv, base=None):
+    """``launch.main(argv)`` with 2 sim instances on ``base`` (default: a free block), nothing started:
+    (code, out, err, launcher or None, base)."""
+    from helpers.kv_events_sub import free_port_block
+
+    started = []
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: started.append(self) or 0)
+    base = base or free_port_block(2)
+    code = launch.main(["--worker-kind", "sim", "--workers", "2", "--worker-base-port", str(base), *argv])
+    out, err = capsys.readouterr()
+    return code, out, err.strip(), (started[0] if started else None), base
+
+
+def _last(cmd, flag):
+    return cmd[len(cmd) - 1 - cmd[::-1].index(flag) + 1]
+
+
+def test_a_router_port_in_router_args_is_where_launch_waits_and_points(monkeypatch, capsys):
+    from helpers.kv_events_sub import free_port_block
+
+    port = free_port_block(1)
+    code, _, err, lau, base = _launch(monkeypatch, capsys, [f"--router-args=--port {port} --cache-threshold 0.5"])
+    assert (code, err) == (0, "")
+    assert lau.router_url == f"http://127.0.0.1:{port}"  # the readiness wait, admin calls and printed URL
+    assert _last(lau.router.cmd, "--port") == str(port) and _last(lau.router.cmd, "--host") == "127.0.0.1"
+    # a --port 0 there is picked here like launch's own, and the router gets the picked port, not 0
+    code, out, err, lau, base = _launch(monkeypatch, capsys, ["--router-args", "--host 0.0.0.0 --port 0"])
+    assert (code, err) == (0, "")
+    picked = int(out.split("[launch] --router-args --port 0: the router will listen on port ")[1].split()[0])
+    assert picked not in (0, base, base + 1)
+    assert lau.router_url == f"http://0.0.0.0:{picked}"
+    assert _last(lau.router.cmd, "--port") == str(picked) and _last(lau.router.cmd, "--host") == "0.0.0.0"
+    assert _last(lau.workers[0].cmd, "--host") == "127.0.0.1"  # the instances stay on launch's --host
+
+
+def test_a_router_args_port_meets_the_port_checks_under_its_own_name(monkeypatch, capsys):
+    import socket
+
+    from helpers.kv_events_sub import free_port_block
+
+    base = free_port_block(2)
+    code, _, err, lau, _ = _launch(monkeypatch, capsys, [f"--router-args=--port {base + 1}"], base)
+    assert (code, lau) == (2, None)
+    assert err.startswith(f"fleetserve launch: --router-args --port {base + 1} is also an instance's port")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        held = s.getsockname()[1]
+        code, _, err, lau, _ = _launch(monkeypatch, capsys, [f"--router-args=--port {held}"])
+    assert (code, lau) == (2, None)
+    assert err.startswith(f"fleetserve launch: --router-args --port {held}: cannot listen on 127.0.0.1:{held}: ")
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--port", "30001", "--router-args=--port 30002"],
+     "--port 30001 and --router-args --port 30002 differ: give the router's port once (either flag alone sets it)"),
+    (["--host", "127.0.0.1", "--router-args=--host 0.0.0.0"],
+     "--host 127.0.0.1 and --router-args --host 0.0.0.0 differ: give the router's address once (launch's --host "
+     "alone sets the instances' and the router's)"),
+])
+def test_launch_and_router_args_giving_the_router_two_addresses_is_refused(monkeypatch, capsys, argv, line):
+    code, _, err, lau, _ = _launch(monkeypatch, capsys, argv)
+    assert (code, err, lau) == (2, f"fleetserve launch: {line}", None)

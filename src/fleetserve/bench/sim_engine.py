@@ -22,7 +22,9 @@ Cache semantics per request (those of the engine's scheduler,
 * match ``input_ids[:-1]`` (the last prompt token is always computed, so at
   least one token is prefilled); ``cached_tokens`` = matched length;
 * a request sharing at least ``min(32, uncached - 1)`` uncached tokens with one
-  already in this prefill batch waits one step, to reuse that prefill;
+  already in this prefill batch waits one step, to reuse that prefill (the engine's
+  ``defer_for_in_batch_share``: none waits that has only its last token to compute, so
+  ``n`` samples of one prompt take one full prefill, then one step for the other ``n - 1``);
 * lock the matched node, reserve ``uncached + max_new_tokens`` KV slots,
   evicting LRU leaves when the allocator is short; if it is still short the
   request waits until running requests finish (the engine reserves only an
@@ -52,8 +54,7 @@ from fleetserve.bench.timing_model import TimingModel
 from fleetserve.engine.io_struct import SchedulerStats
 from fleetserve.engine.load_report import ThroughputMeter
 from fleetserve.engine.radix_cache import RadixCache
-from fleetserve.engine.schedule_policy import IN_BATCH_SHARE_MIN, LPM_MAX_QUEUE
-from fleetserve.engine.schedule_policy import common_prefix_len as _common_len
+from fleetserve.engine.schedule_policy import LPM_MAX_QUEUE, defer_for_in_batch_share
 
 
 class RequestTooLong(ValueError):
@@ -258,8 +259,7 @@ class SimEngine:
             cached = int(slots.numel())
             uncached = len(r.input_ids) - cached
             if new:
-                share = max(_common_len(r.input_ids, q.input_ids) for q in new) - cached
-                if share > 0 and share >= min(IN_BATCH_SHARE_MIN, uncached - 1):
+                if defer_for_in_batch_share(r.input_ids, cached, [q.input_ids for q in new]):  # the engine's rule
                     skipped.append(self.waiting.popleft())  # reuse that prefill next step
                     continue
                 if uncached > budget:

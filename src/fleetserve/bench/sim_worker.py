@@ -226,12 +226,14 @@ class SimWorker:
             raise ValueError("request body must be a JSON object")
         return body
 
-    def _new_request(self, input_ids: list[int], max_new: int, engine: SimEngine | None = None) -> SimRequest:
+    def _new_request(self, input_ids: list[int], max_new: int, engine: SimEngine | None = None,
+                     sample: int = 0) -> SimRequest:
+        """One sequence to generate; ``sample`` ``i`` > 0 (choice ``i`` of ``n``) gets its own output."""
         cap = (engine or self.engine).capacity
         if len(input_ids) + max_new > cap:  # before synthesizing a huge output
             raise RequestTooLong(f"prompt ({len(input_ids)} tokens) + max_tokens ({max_new}) exceeds the KV "
                                  f"capacity ({cap} tokens)")
-        out_ids, pieces = self.tok.synth_output(input_ids, max_new)
+        out_ids, pieces = self.tok.synth_output(input_ids if sample == 0 else [*input_ids, sample], max_new)
         return SimRequest(rid=uuid.uuid4().hex, input_ids=input_ids, max_new_tokens=max_new, output_ids=out_ids,
                           output_pieces=pieces, stream_interval=self.stream_interval)
 
@@ -257,7 +259,7 @@ class SimWorker:
             return _api_error(e)
         except ValueError as e:
             return _error(400, str(e))
-        return await self._serve_openai(req, body, ids, max_new, chat=False)
+        return await self._serve_openai(req, body, ids, max_new, chat=False, n=sp.n)
 
     async def chat(self, req: web.Request) -> web.StreamResponse:
         try:
@@ -279,7 +281,7 @@ class SimWorker:
             return _api_error(e)
         except ValueError as e:
             return _error(400, str(e))
-        return await self._serve_openai(req, body, ids, max_new, chat=True)
+        return await self._serve_openai(req, body, ids, max_new, chat=True, n=sp.n)
 
     async def generate(self, req: web.Request) -> web.StreamResponse:
         try:
@@ -350,29 +352,55 @@ class SimWorker:
         return resp
 
     async def _serve_openai(self, req: web.Request, body: dict, ids: list[int], max_new: int,
-                            chat: bool) -> web.StreamResponse:
+                            chat: bool, n: int = 1) -> web.StreamResponse:
+        """Answer an OpenAI request with ``n`` choices (OpenAI's ``n``, checked by the engine's validation).
+
+        As the engine does (``TokenizerManager.submit``), the ``n`` samples are ``n`` sequences
+        of the same prompt on one rank: the scheduler prefills the prompt once (the others wait
+        one step under the in-batch share rule, then find it cached and prefill one token each)
+        and decodes the ``n`` together. Shapes as vLLM's: choices ``index`` 0..n-1; streaming chat
+        sends each choice's ``role`` chunk first (n > 1); usage counts the prompt once,
+        ``completion_tokens`` over every choice and ``cached_tokens`` of choice 0 (the engine's).
+        """
+        events: asyncio.Queue = asyncio.Queue()  # (choice, new ids, new pieces, done) from every sequence
         try:
             eng = self._pick(req, body)
-            r = self._new_request(ids, max_new, eng)
-            eng.submit(r)
+            reqs = [self._new_request(ids, max_new, eng, sample=i) for i in range(n)]
+            for i, r in enumerate(reqs):  # the same prompt each: the first refused means none was queued
+                r.events = _Tagged(events, i)
+                eng.submit(r)
         except (RequestTooLong, ValueError) as e:
             return _error(400, str(e))
         headers = {WORKER_HEADER: self.engine.name}
         created = int(time.time())
-        rid = ("chatcmpl-" if chat else "cmpl-") + r.rid
+        rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].rid
         obj = "chat.completion" if chat else "text_completion"
 
         def usage() -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": r.sent, "total_tokens": len(ids) + r.sent,
-                    "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+            out = sum(r.sent for r in reqs)
+            return {"prompt_tokens": len(ids), "completion_tokens": out, "total_tokens": len(ids) + out,
+                    "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
+
+        async def next_event() -> tuple:
+            try:
+                return await events.get()
+            except asyncio.CancelledError:
+                for r in reqs:
+                    eng.abort(r)
+                raise
 
         if not body.get("stream"):
-            await self._drain(r, eng)
-            text = "".join(r.output_pieces[:r.sent])
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
+            left = n
+            while left:
+                left -= (await next_event())[3]
+            choices = []
+            for i, r in enumerate(reqs):
+                text = "".join(r.output_pieces[:r.sent])
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "finish_reason": "length"} if chat else
+                               {"index": i, "text": text, "logprobs": None, "finish_reason": "length"})
             return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                      "choices": [choice], "usage": usage(), "worker_id": self.engine.name},
+                                      "choices": choices, "usage": usage(), "worker_id": self.engine.name},
                                      headers=headers)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         resp = await self._start_sse(req, headers)
@@ -384,26 +412,41 @@ class SimWorker:
             await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
 
         try:
-            first = True
-            while True:
-                _ids, pieces, done = await r.events.get()
+            first, left = True, n
+            while left:
+                i, _ids, pieces, done = await next_event()
                 text = "".join(pieces)
                 if chat:
-                    delta = {"role": "assistant", "content": text} if first else {"content": text}
-                    await send([{"index": 0, "delta": delta, "finish_reason": "length" if done else None}])
+                    if first and n > 1:  # vLLM: every choice's role first, once the prefill is done
+                        for j in range(n):
+                            await send([{"index": j, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None}])
+                    delta = {"role": "assistant", "content": text} if first and n == 1 else {"content": text}
+                    await send([{"index": i, "delta": delta, "finish_reason": "length" if done else None}])
                 else:
-                    await send([{"index": 0, "text": text, "logprobs": None,
+                    await send([{"index": i, "text": text, "logprobs": None,
                                  "finish_reason": "length" if done else None}])
                 first = False
-                if done:
-                    break
+                left -= done
             if include_usage:
                 await send([], usage=usage(), worker_id=self.engine.name)
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
-            eng.abort(r)
+            for r in reqs:
+                eng.abort(r)
             raise
         return resp
+
+
+class _Tagged:
+    """A sequence's ``events`` sink that puts ``(choice, *event)`` into a queue shared by the ``n``
+    sequences of one request (the sim engine only calls ``put_nowait``)."""
+
+    def __init__(self, queue: asyncio.Queue, choice: int):
+        self.queue, self.choice = queue, choice
+
+    def put_nowait(self, event: tuple) -> None:
+        self.queue.put_nowait((self.choice, *event))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,8 @@
 Flags this command does not know are passed to every instance (``fleetserve
 serve``, or ``fleetserve sim-worker`` with ``--worker-kind sim``); ``--host``
 and the ports are set here: the router listens on ``--port``, instance ``i`` on
-``--worker-base-port + i``. Extra router flags go in ``--router-args "..."``.
+``--worker-base-port + i``. Extra router flags go in ``--router-args "..."``; a ``--host`` /
+``--port`` there moves the router alone, and launch follows it (``launch/router_address.py``).
 A ``--kv-events-config`` is given to instance ``i`` with its endpoints' ports moved up by
 ``i x`` the instance's DP size, so that no two instances bind the same port (``launch/kv_ports.py``);
 every port the launch will listen on (router, instances, their KV-event and replay sockets) is
@@ -64,6 +65,7 @@ from pathlib import Path
 from fleetserve.launch.kv_ports import check_kv_event_ports, instance_kv_events_args
 from fleetserve.launch.output import child_env, start_copy
 from fleetserve.launch.port_plan import first_busy, first_collision, plan
+from fleetserve.launch.router_address import adopt_router_address, given_launch_flags, http_url
 from fleetserve.launch.router_check import check_router_args
 
 
@@ -153,7 +155,8 @@ def check_ports(args: argparse.Namespace) -> str | None:
     """
     from fleetserve.entrypoints.ports import port_busy_error, port_range_error
 
-    bad = port_range_error("--port", args.port, allow_zero=True)  # 0 is resolved in main()
+    flag, host = getattr(args, "router_port_flag", "--port"), getattr(args, "router_host", args.host)
+    bad = port_range_error(flag, args.port, allow_zero=True)  # 0 is resolved in main()
     if bad:
         return bad
     bad = port_range_error("--worker-base-port", args.worker_base_port, args.workers)
@@ -161,10 +164,10 @@ def check_ports(args: argparse.Namespace) -> str | None:
         return f"{bad} (--workers {args.workers})"
     workers = range(args.worker_base_port, args.worker_base_port + args.workers)
     if args.port in workers:
-        return (f"--port {args.port} is also an instance's port (--worker-base-port {args.worker_base_port} "
+        return (f"{flag} {args.port} is also an instance's port (--worker-base-port {args.worker_base_port} "
                 f".. {workers[-1]})")
-    for flag, port in [("--port", args.port), *(("--worker-base-port", p) for p in workers)]:
-        busy = port_busy_error(flag, args.host, port)
+    for flag, h, port in [(flag, host, args.port), *(("--worker-base-port", args.host, p) for p in workers)]:
+        busy = port_busy_error(flag, h, port)
         if busy:
             return busy
     return None
@@ -239,10 +242,14 @@ def router_tokenizer_args(args: argparse.Namespace, instance_args: list[str]) ->
 
 
 def router_argv(args: argparse.Namespace, instance_args: list[str]) -> list[str]:
-    """The router's flags (after ``fleetserve router``): launch's own, then ``--router-args`` (which win)."""
+    """The router's flags (after ``fleetserve router``): launch's own, then ``--router-args`` (which win);
+    once the router's address is settled (``launch/router_address.py``) it comes last, so that a
+    ``--router-args --port 0`` gives way to the port picked for it."""
     urls = [f"http://{args.host}:{args.worker_base_port + i}" for i in range(args.workers)]
+    last = (["--host", args.router_host, "--port", str(args.port)] if getattr(args, "router_address_set", False)
+            else [])
     return ["--host", args.host, "--port", str(args.port), "--policy", args.policy, "--worker-urls", *urls,
-            *router_tokenizer_args(args, instance_args), *shlex.split(args.router_args)]
+            *router_tokenizer_args(args, instance_args), *shlex.split(args.router_args), *last]
 
 
 # The example printed once the fleet is up: greedy (temperature 0) so that the first answer
@@ -282,7 +289,7 @@ class Launcher:
             cmd = py + [sub, *own, *access_log_flags(args), "--host", args.host, "--port", str(port)]
             self.workers.append(Child(f"worker{i}", cmd, f"http://{args.host}:{port}",
                                       log=log_dir / f"worker{i}.log" if log_dir else None))
-        self.router_url = f"http://{args.host}:{args.port}"
+        self.router_url = http_url(getattr(args, "router_host", args.host), args.port)
         rcmd = py + ["router", *router_argv(args, instance_args)]
         self.router = Child("router", rcmd, self.router_url, log=log_dir / "router.log" if log_dir else None)
 
@@ -389,19 +396,12 @@ class Launcher:
 def main(argv: list[str] | None = None) -> int:
     from fleetserve.entrypoints.ports import port_range_error
 
-    args, instance_args = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, instance_args = build_parser().parse_known_args(argv)
     if args.workers < 1:
         print("--workers must be >= 1", file=sys.stderr)
         return 2
-    if args.port == 0 and port_range_error("--worker-base-port", args.worker_base_port, args.workers) is None:
-        try:
-            args.port = pick_router_port(args.host, range(args.worker_base_port, args.worker_base_port + args.workers))
-        except OSError as e:
-            print(f"fleetserve launch: --port 0: cannot pick a free port on {args.host}: {e.strerror or e}",
-                  file=sys.stderr)
-            return 2
-        print(f"[launch] --port 0: the router will listen on port {args.port}", flush=True)
-    bad = check_ports(args) or check_kv_event_ports(instance_args, args.workers)
+    bad = port_range_error("--port", args.port, allow_zero=True)
     try:
         shlex.split(args.router_args)
     except ValueError as e:  # e.g. an unclosed quote
@@ -409,11 +409,25 @@ def main(argv: list[str] | None = None) -> int:
     router = {}
     if not bad:  # the router's own flag checks, in a child process that starts nothing (launch/router_check.py)
         bad, router = check_router_args(router_argv(args, instance_args))
+    if not bad:  # where the router will listen: launch's --host/--port or those in --router-args
+        bad = adopt_router_address(args, router, given_launch_flags(build_parser(), argv))
+    if not bad and args.port == 0 and port_range_error("--worker-base-port", args.worker_base_port,
+                                                       args.workers) is None:
+        try:
+            args.port = pick_router_port(args.router_host,
+                                         range(args.worker_base_port, args.worker_base_port + args.workers))
+        except OSError as e:
+            print(f"fleetserve launch: {args.router_port_flag} 0: cannot pick a free port on {args.router_host}: "
+                  f"{e.strerror or e}", file=sys.stderr)
+            return 2
+        print(f"[launch] {args.router_port_flag} 0: the router will listen on port {args.port}", flush=True)
+    bad = bad or check_ports(args) or check_kv_event_ports(instance_args, args.workers)
     for line in router.get("warnings", ()):  # the router logs them too, once it starts
         print(f"[launch] warning: --router-args: {line}", flush=True)
     if not bad:
         metrics = (router["prometheus_host"], router["prometheus_port"]) if router.get("prometheus_port") else None
-        ports = plan(args.host, args.port, args.worker_base_port, args.workers, instance_args, prometheus=metrics)
+        ports = plan(args.host, args.port, args.worker_base_port, args.workers, instance_args, prometheus=metrics,
+                     router_host=args.router_host, router_flag=args.router_port_flag)
         bad = first_collision(ports) or first_busy(ports)
     if bad:
         print(f"fleetserve launch: {bad}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Every TCP port a ``fleetserve launch`` will listen on, checked for collisions before anything starts.
 
-The plan lists, per owner: the router's ``--port`` (and its ``--prometheus-port`` when the
+The plan lists, per owner: the router's ``--port`` (or the ``--port`` / ``--host`` in
+``--router-args``, ``launch/router_address.py``; and its ``--prometheus-port`` when the
 ``--router-args`` give one), each instance's HTTP port (``--worker-base-port + i``) and, with a
 ``--kv-events-config``, the ports each instance's DP rank ``r`` binds: the ``endpoint``'s
 (when it binds: a wildcard host, see :func:`~fleetserve.engine.kv_events.config.binds`) and the
@@ -70,9 +71,15 @@ def kv_event_ports(instance_args: list[str], workers: int) -> list[PlannedPort]:
 
 
 def plan(host: str, router_port: int, worker_base_port: int, workers: int, instance_args: list[str],
-         prometheus: tuple[str, int] | None = None) -> list[PlannedPort]:
-    """Every port of the launch, HTTP ones first (``prometheus``: the router's ``(host, port)``)."""
-    ports = [PlannedPort("--port", "the router's HTTP port", host, router_port)]
+         prometheus: tuple[str, int] | None = None, router_host: str | None = None,
+         router_flag: str = "--port") -> list[PlannedPort]:
+    """Every port of the launch, HTTP ones first (``prometheus``: the router's ``(host, port)``).
+
+    ``host``: the instances' (and, unless ``router_host`` is given, the router's) address;
+    ``router_flag``: the flag that set ``router_port`` (``--router-args --port`` when it came from there).
+    """
+    ports = [PlannedPort(router_flag, "the router's HTTP port", host if router_host is None else router_host,
+                         router_port)]
     if prometheus is not None and prometheus[1] != 0:
         ports.append(PlannedPort("--router-args --prometheus-port", "the router's metrics port", *prometheus))
     ports += [PlannedPort("--worker-base-port", f"worker{i}'s HTTP port", host, worker_base_port + i)

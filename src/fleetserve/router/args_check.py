@@ -7,9 +7,11 @@ flags, :meth:`.config.RouterConfig.validate`), nothing is bound and no worker is
 
 Exit 0 with one JSON object on stdout::
 
-    {"policy": "cache_aware", "prometheus_host": "127.0.0.1", "prometheus_port": null, "warnings": []}
+    {"policy": "cache_aware", "host": "127.0.0.1", "port": 30000, "prometheus_host": "127.0.0.1",
+     "prometheus_port": null, "warnings": []}
 
-(what the launcher still needs to know: the policy the router will run, its extra metrics
+(what the launcher still needs to know: the policy the router will run, the address it will listen
+on (the last ``--host`` / ``--port`` given, as the router's parser reads them), its extra metrics
 listener, and the lines the router will log for flags its policy does not read, :mod:`.policy_flags`);
 exit 2 with the parser's one line on stderr (``fleetserve router: error: ...``).
 """
@@ -26,8 +28,9 @@ from .policy_flags import policy_flag_warnings
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = parse_args(argv)  # SystemExit(2) on a bad flag
-    print(json.dumps({"policy": cfg.policy, "prometheus_host": cfg.prometheus_host,
-                      "prometheus_port": cfg.prometheus_port, "warnings": policy_flag_warnings(argv, cfg)}))
+    print(json.dumps({"policy": cfg.policy, "host": cfg.host, "port": cfg.port,
+                      "prometheus_host": cfg.prometheus_host, "prometheus_port": cfg.prometheus_port,
+                      "warnings": policy_flag_warnings(argv, cfg)}))
     return 0
 
 

@@ -46,6 +46,14 @@ continuation carries as any routed request does (``routed_dp_rank`` first in the
 ``X-data-parallel-rank`` header): never the failed worker's rank, and never none.  A rank the
 client set itself stays in the body and wins, as on the first attempt.
 
+What the router counts where: at the migration the failed worker's in-flight count
+(``inflight_requests{worker}``, the policies' load) drops, and under ``kv_aware`` the request's
+token load and queued prefill there come off (``KvAwarePolicy.migrating``); the continuation is
+then charged to the worker it goes to as a request of ``prompt + answer so far`` tokens (its
+queued prefill: those less the predicted ``cached_tokens`` there) with ``max_tokens`` less the
+answer so far to decode, the prefill cleared at the continuation's first event, the rest when the
+answer ends.
+
 What the router records of the continuing worker, once its continuation streams (its first
 event): a ``--sticky-sessions`` session moves to it (the session's next request goes where
 the conversation's KV now is, as after any other choice the session follows); its route, the
@@ -191,6 +199,8 @@ class Migration:
         self.base_text = ""
         self.base_ids: list[int] | None = None
         self.base_tokens = 0
+        self.charged_tokens = 0  # of self.tokens, those already added to the policy's key (kv_aware)
+        self.left_first = False  # the first worker's in-flight count was given back at the migration
 
     # ------------------------------------------------------------------ events
     def feed(self, chunk: bytes) -> tuple[bytes, bytes | None]:
@@ -416,6 +426,9 @@ class Migration:
         router = self.router
         tried = [failed]
         self.buf = b""  # an unfinished event of the failed worker is dropped, never sent
+        if not self.left_first:  # it serves this request no more: its in-flight count drops now, not at the end
+            self.left_first = True
+            failed.load -= 1
         attempts = 0
         while True:
             plan = self.plan()
@@ -427,6 +440,10 @@ class Migration:
                 return True
             if self.migrations >= self.limit or attempts >= router.max_attempts:
                 return False
+            migrating = getattr(router.policy, "migrating", None)
+            if migrating is not None:  # kv_aware: the old target's charge off now, the continuation's size
+                migrating(self.route_text, self.tokens - self.charged_tokens)
+                self.charged_tokens = self.tokens
             workers = [w for w in router.registry.available() if w not in tried]
             worker = router.policy.select(workers, self.route_text, retry=True) if workers else None
             if worker is None:
@@ -495,6 +512,9 @@ class Migration:
                         self.migrations += 1
                         router.stats.migrations += 1
                         self._moved(source, worker, route)
+                        prefilled = getattr(router.policy, "prefilled", None)
+                        if prefilled is not None:  # kv_aware: the continuation's prefill is over
+                            prefilled(self.route_text)
                     prev, last = last, chunk
                     out, err = self.feed(chunk)
                     if out:

@@ -263,7 +263,8 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             _answered(router.policy, key, worker.url, tail)
         return None
     finally:
-        worker.load -= 1
+        if mig is None or not mig.left_first:  # a migration gave it back when the stream moved on
+            worker.load -= 1
         if resp is not None:
             resp.release()
 

@@ -183,3 +183,65 @@ async def test_generate_with_max_new_tokens_zero_answers_no_token(workers):
         assert r.status == 200  # SGLang (and the engine) allow it
         meta = (await r.json())["meta_info"]
     assert meta["completion_tokens"] == 0 and meta["prompt_tokens"] == 3
+
+
+async def _sse(s, url: str, body: dict) -> list[dict]:
+    import json
+
+    async with s.post(url, json=body) as r:
+        assert r.status == 200
+        return [json.loads(line[6:]) async for line in r.content
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"]
+
+
+@pytest.mark.timeout(60)
+async def test_n_choices_one_prefill_n_decode_streams(workers):
+    """OpenAI ``n``: n choices (index 0..n-1), streaming or not, completion tokens summed over them
+    (vLLM's shapes), and in modelled time one prefill of the prompt plus n sequences decoding together."""
+    s = workers
+    base, other = f"http://127.0.0.1:{PORT}", f"http://127.0.0.1:{PORT + 1}"
+    async with s.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "n": 3}) as r:
+        out = await r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert [len(c["text"].split()) for c in out["choices"]] == [4, 4, 4]
+    assert len({c["text"] for c in out["choices"]}) == 3  # each sample its own output
+    assert out["usage"] == {"prompt_tokens": 200, "completion_tokens": 12, "total_tokens": 212,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
+    async with s.get(base + "/get_server_info") as r:
+        st = (await r.json())["stats"]
+    # sample 0 prefills 200 tokens; samples 1, 2 wait one step, find 199 cached and prefill 1 each;
+    # then the three decode their 3 remaining tokens in 3 shared steps
+    assert (st["prompt_tokens"], st["cached_tokens"], st["generation_tokens"]) == (600, 398, 12)
+    assert (st["num_prefill_steps"], st["num_decode_steps"]) == (2, 3)
+    async with s.post(other + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}) as r:
+        assert (await r.json())["choices"][0]["text"] == out["choices"][0]["text"]  # n=1 is choice 0
+
+    chunks = await _sse(s, other + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 3, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+    texts, reasons = ["", "", ""], [[], [], []]
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] += choice["text"]
+        reasons[choice["index"]].append(choice["finish_reason"])
+    assert texts == [c["text"] for c in out["choices"]]
+    assert all(r[-1] == "length" and r.count("length") == 1 for r in reasons)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+
+    msgs = [{"role": "user", "content": PROMPT}]
+    async with s.post(base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 5, "n": 2}) as r:
+        chat = await r.json()
+    assert [(c["index"], len(c["message"]["content"].split())) for c in chat["choices"]] == [(0, 5), (1, 5)]
+    assert chat["usage"]["completion_tokens"] == 10
+    chunks = await _sse(s, base + "/v1/chat/completions", {"messages": msgs, "max_tokens": 5, "n": 2,
+                                                           "stream": True, "stream_options": {"include_usage": True}})
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]  # every choice's role first, as vLLM
+    got = ["", ""]
+    for c in chunks[2:-1]:
+        assert "role" not in c["choices"][0]["delta"]
+        got[c["choices"][0]["index"]] += c["choices"][0]["delta"]["content"]
+    assert got == [c["message"]["content"] for c in chat["choices"]]
+    assert chunks[-1]["usage"] == {"prompt_tokens": chat["usage"]["prompt_tokens"], "completion_tokens": 10,
+                                   "total_tokens": chat["usage"]["prompt_tokens"] + 10,
+                                   "prompt_tokens_details": {"cached_tokens": chunks[-1]["usage"][
+                                       "prompt_tokens_details"]["cached_tokens"]}}

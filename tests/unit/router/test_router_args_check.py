@@ -11,8 +11,12 @@ from fleetserve.router import args_check
 
 def test_good_flags_print_what_launch_needs(capsys):
     assert args_check.main(["--policy", "kv_aware", "--prometheus-port", "9100"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"policy": "kv_aware", "prometheus_host": "127.0.0.1",
-                                                   "prometheus_port": 9100, "warnings": []}
+    assert json.loads(capsys.readouterr().out) == {"policy": "kv_aware", "host": "127.0.0.1", "port": 30000,
+                                                   "prometheus_host": "127.0.0.1", "prometheus_port": 9100,
+                                                   "warnings": []}
+    assert args_check.main(["--host", "127.0.0.1", "--port", "1", "--host=0.0.0.0", "--port", "9000"]) == 0
+    out = json.loads(capsys.readouterr().out)  # the last of each, as the router would listen
+    assert (out["host"], out["port"]) == ("0.0.0.0", 9000)
     assert args_check.main(["--policy", "random", "--kv-load-weight", "0.5"]) == 0
     assert json.loads(capsys.readouterr().out)["warnings"] == [
         "--kv-load-weight has no effect under --policy random (read only under kv_aware)"]

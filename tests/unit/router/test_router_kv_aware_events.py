@@ -235,6 +235,8 @@ async def test_gap_without_replay_falls_back_until_a_clean_state(start_app, InPr
             assert f'fleetserve_router_kv_gaps_total{{dp_rank="0",worker="{urls[1]}"}} 1.0' in text
             assert f'fleetserve_router_kv_index_blocks{{dp_rank="0",worker="{urls[1]}"}} 16.0' in text
             assert 'fleetserve_router_kv_decisions_total{branch="fallback"} 2.0' in text
+            for u in urls:  # every answer ended: no prefill queued on either worker
+                assert f'fleetserve_router_kv_worker_active_prefill_tokens{{dp_rank="-",worker="{u}"}} 0.0' in text
     finally:
         for rn in runners:
             await rn.cleanup()

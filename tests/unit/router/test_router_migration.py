@@ -449,3 +449,52 @@ def test_a_migrated_stream_moves_its_session_and_records_the_new_route(InProcess
     route = m.group(3)  # cache_aware's route of b: its branch and predicted cached tokens
     assert re.fullmatch(rf"target={re.escape(urls[1])}; dp_rank=-; branch=(hit|miss|balanced); cached_tokens=\d+; "
                         rf"prompt_tokens=\d+", route), route
+
+
+@pytest.mark.timeout(60)
+def test_a_migration_moves_the_requests_load_and_queued_prefill_at_once(InProcessRouter):
+    """kv_aware: a dies after 3 tokens of /generate (ids [5, 6, 7], max_new_tokens 50).  At the moment
+    the continuation is sent, a holds nothing of it (token load, queued prefill, in-flight count)
+    and b counts its whole prefill as queued: 3 prompt + 3 generated tokens, none predicted cached
+    there; its load is that plus the 47 tokens left to decode.  b's first event clears the queued
+    prefill; the answer's end clears the rest."""
+    path, body = KINDS["generate_ids"]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT).start()
+        b = await ScriptWorker("b", SCRIPT, delay_s=0.05).start()
+        try:
+            cfg = router_cfg([a.url, b.url], policy="kv_aware", kv_loads_interval_secs=0)
+            async with aiohttp.ClientSession() as s, InProcessRouter(**cfg) as r:
+                pol, reg, pool = r.router.policy, r.router.registry, r.router.pool
+                seen = {}
+                post0 = pool.post
+
+                async def post(url, *args, **kw):
+                    if url == b.url:  # the continuation leaves now: the state at the moment of migration
+                        seen["sent"] = (dict(pol.load_tokens), dict(pol.queued_tokens),
+                                        reg.get(a.url).load, reg.get(b.url).load)
+                    return await post0(url, *args, **kw)
+
+                pool.post = post
+                a.die(after=die_after_events("generate_ids", DIE_AFTER_TOKENS))
+                async with s.post(r.url + path, json={**body, "stream": True}) as resp:
+                    raw = b""
+                    while b"data: [DONE]" not in raw:
+                        raw += await resp.content.readany()
+                        if "mid" not in seen and raw.count(b"data: ") >= DIE_AFTER_TOKENS + 2 \
+                                and b"data: [DONE]" not in raw:
+                            # b's events stream (one every 50 ms): its prefill is over, its decode is not
+                            seen["mid"] = (dict(pol.load_tokens), dict(pol.queued_tokens),
+                                           reg.get(a.url).load, reg.get(b.url).load)
+                assert read_answer("generate_ids", raw)["text"] == FULL
+                assert [p for p, _ in b.bodies] == [path] and r.router.stats.migrations == 1
+                assert seen["sent"] == ({(b.url, None): 6 + 47}, {(b.url, None): 6}, 0, 1)
+                assert seen["mid"] == ({(b.url, None): 6 + 47}, {}, 0, 1)
+                await settled(s, r)
+                assert (pol.load_tokens, pol.queued_tokens, pol.inflight) == ({}, {}, {})
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main)

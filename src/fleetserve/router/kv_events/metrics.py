@@ -8,6 +8,12 @@
   stored blocks skipped for an unknown parent.
 * ``decisions_total{branch}``: decisions by the chosen target's trust.
 * ``load_tokens{target}``: in-flight tokens per target (``url`` or ``url#rank``).
+* ``worker_active_prefill_tokens{worker,dp_rank}``: the queued prefill the policy counts per
+  target: uncached prompt tokens of this router's requests there whose prefill has not ended
+  (no first answer byte yet), ``policy.queued_tokens``. The name is NVIDIA Dynamo's KV router
+  gauge (``dynamo_frontend_worker_active_prefill_tokens{worker_id,dp_rank,...}``) under our
+  prefix; ``dp_rank`` is ``-`` for a whole worker (no ``--dp-aware``: the worker picks the rank,
+  as in the route header). Every target chosen since its worker was added is listed, 0 when idle.
 * ``engine_load_tokens{worker,dp_rank}``: the engines' fresh ``/v1/loads`` ``num_total_tokens``.
 * ``tokenizer_mismatch{worker}``: 1 while the worker counts other prompt tokens than the
   router's tokenizer (routed ``fallback``, reason ``tokenizer``; :mod:`.tokenizer_check`).
@@ -54,6 +60,7 @@ def families(policy):
     for (url, rank), n in list(policy.load_tokens.items()):
         load.add_metric([url if rank is None else f"{url}#{rank}"], n)
     yield load
+    yield queued_prefill_family(policy)
     tc = policy.tokenizer_check
     mism = GaugeMetricFamily(_P + "tokenizer_mismatch", "1 while the worker's prompt token counts disagree with "
                              "the router's tokenizer (routed by the approximate tree)", labels=["worker"])
@@ -75,3 +82,13 @@ def families(policy):
                 if n is not None:
                     eng.add_metric([url, str(rank)], n)
         yield eng
+
+
+def queued_prefill_family(policy) -> GaugeMetricFamily:
+    """``worker_active_prefill_tokens{worker,dp_rank}`` of a :class:`~.policy.KvAwarePolicy` (see above)."""
+    fam = GaugeMetricFamily(_P + "worker_active_prefill_tokens", "Uncached prompt tokens routed to the target "
+                            "whose prefill has not ended (no first answer byte yet)", labels=["worker", "dp_rank"])
+    queued = dict(policy.queued_tokens)
+    for url, rank in sorted({*policy.chosen_at, *queued}, key=lambda lk: (lk[0], -1 if lk[1] is None else lk[1])):
+        fam.add_metric([url, "-" if rank is None else str(rank)], queued.get((url, rank), 0))
+    return fam

@@ -417,6 +417,21 @@ class KvAwarePolicy:
         if self.engine_loads is not None:  # a snapshot that counted it as waiting must not count it still
             self.engine_loads.prefilled(lk[0], lk[1], sent, q)
 
+    def migrating(self, key, generated: int) -> None:
+        """A stream of ``key`` failed mid-answer and goes on elsewhere (:mod:`..migration`): its target
+        no longer holds it, so its load and queued prefill there come off now (:meth:`release`), and the
+        continuation it becomes is ``generated`` tokens longer (the answer so far, appended to the
+        prompt) and ``generated`` tokens shorter to decode.  The next :meth:`select` then charges the
+        new target that whole prefill (less its predicted ``cached_tokens``) as queued until the
+        continuation's first answer bytes (:meth:`prefilled`).  ``generated``: tokens produced since
+        the last call (0: nothing to add)."""
+        if not isinstance(key, RouteKey):
+            return
+        self.release(key)
+        if generated > 0:
+            key.prompt_tokens += generated
+            key.decode_tokens = max(0, key.decode_tokens - generated)
+
     def release(self, key) -> None:
         """The request's answer ended (or its attempt failed): take its tokens out of the load."""
         if not isinstance(key, RouteKey) or key.charged is None:
