@@ -19,7 +19,7 @@ def test_parser_has_sglang_names():
     assert (ns.served_model_name, ns.api_key, ns.max_request_bytes) == ("x", "k", 10)
 
 
-def test_served_name_and_tokenizer_cache_key(tmp_path, monkeypatch):
+def test_served_name_and_tokenizer_cache_key(tmp_path, monkeypatch, caplog):
     assert launch_server.default_served_name("/a/b/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
     assert launch_server.default_served_name("/models/llama/") == "llama"
     f = tmp_path / "m.gguf"
@@ -36,5 +36,12 @@ def test_served_name_and_tokenizer_cache_key(tmp_path, monkeypatch):
 
     tokenizer.save_tokenizer_cache(Tok(), d1)
     assert os.path.isfile(os.path.join(d1, "tokenizer_config.json"))
-    tokenizer.save_tokenizer_cache(Tok(), d1)  # second save: already there, logged, no leftovers
+    with caplog.at_level("WARNING", logger="fleetserve.models.tokenizer"):
+        tokenizer.save_tokenizer_cache(Tok(), d1)  # second save (two instances racing): no warning, no leftovers
+    assert [r.getMessage() for r in caplog.records] == []
     assert [n for n in os.listdir(os.path.dirname(d1)) if n.startswith(".tmp-")] == []
+    bad = str(tmp_path / "file-not-dir")
+    open(bad, "w").write("x")  # a real failure (the base is a file) still warns
+    with caplog.at_level("WARNING", logger="fleetserve.models.tokenizer"):
+        tokenizer.save_tokenizer_cache(Tok(), os.path.join(bad, "key"))
+    assert any("could not cache the tokenizer" in r.getMessage() for r in caplog.records)
