@@ -100,13 +100,13 @@ def test_launch_refuses_a_busy_port_before_starting_anything(capsys, busy_port, 
     assert "started" not in out.out
 
 
-def test_serve_refuses_a_busy_port_before_loading_the_model(capsys, busy_port, monkeypatch):
+def test_serve_refuses_a_busy_port_before_loading_the_model(capsys, busy_port, monkeypatch, tmp_path):
     def no_load(*_a, **_k):
         raise AssertionError("the model was loaded before the port was checked")
 
     monkeypatch.setattr(serve, "_start_schedulers", no_load)
     t0 = time.monotonic()
-    assert serve.main(["--model-path", "/nonexistent/model", "--port", str(busy_port)]) == 1
+    assert serve.main(["--model-path", str(tmp_path), "--port", str(busy_port)]) == 1
     assert time.monotonic() - t0 < 5
     assert capsys.readouterr().err.strip().splitlines() == [
         f"fleetserve serve: --port {busy_port}: cannot listen on 127.0.0.1:{busy_port}: Address already in use"]

@@ -9,6 +9,18 @@ def test_bad_flag_value_exits_2_without_starting(capsys):
     assert "--tp-size" in capsys.readouterr().err
 
 
+def test_missing_model_or_tokenizer_path_is_one_line_naming_the_flag(tmp_path, capsys):
+    assert launch_server.main(["--model-path", str(tmp_path / "nope"), "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == f"fleetserve serve: --model-path {tmp_path / 'nope'}: no such file or directory"
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    assert launch_server.main(["--model-path", str(f), "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (f"fleetserve serve: --model-path {f}: give a model directory "
+                                               "or a .gguf file")
+    assert launch_server.main(["--model-path", str(tmp_path), "--tokenizer-path", "/no/tok", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "fleetserve serve: --tokenizer-path /no/tok: no such file or directory"
+
+
 def test_parser_has_sglang_names():
     ns = launch_server.build_parser().parse_args([
         "--model", "/m", "--host", "0.0.0.0", "--port", "1234", "--max-total-tokens", "99",
