@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, instance_args = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if args.workers < 1:
-        print("--workers must be >= 1", file=sys.stderr)
+        print(f"fleetserve launch: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
     if args.port == 0 and port_range_error("--worker-base-port", args.worker_base_port, args.workers) is None:
         try:
