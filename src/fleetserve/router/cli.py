@@ -6,7 +6,8 @@ On SIGINT/SIGTERM it stops accepting connections and waits up to
 Exit codes: 0 after a clean stop, 1 if ``--port`` (or ``--prometheus-port``)
 cannot be bound (one log line; checked before the worker wait) or a
 ``--worker-urls`` worker never became healthy within
-``--worker-startup-timeout-secs``, 2 on bad flags (argparse).
+``--worker-startup-timeout-secs``, 2 on bad flags (argparse, or one line when building the
+policy finds a flag bad, e.g. a ``--tokenizer-path`` file that is no tokenizer).
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
     socks = _bind_all(cfg)
     if socks is None:
         return 1
-    router = Router(cfg)
+    try:
+        router = Router(cfg)
+    except ValueError as e:  # a setting only building the policy finds bad (e.g. an unreadable --tokenizer-path)
+        for sk in socks:
+            sk.close()
+        print(f"fleetserve router: error: {e}", file=sys.stderr)
+        return 2
     await router.start()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
