@@ -93,6 +93,7 @@ class KvEventSources:
         self.flag_endpoints = flag_endpoints or {}
         self.ctx = zmq.Context()
         self._asked: dict[str, float] = {}  # url -> when its info was last asked for (no config found)
+        self._told: set[str] = set()  # urls already logged as naming no publisher (once per registration)
 
     async def run(self, router) -> None:
         """Sync every :data:`SYNC_INTERVAL_S` until cancelled; then end every subscription."""
@@ -111,6 +112,7 @@ class KvEventSources:
         urls = set(router.registry.urls())
         for url in [u for u in policy.subs if u not in urls]:
             self.unsubscribe(url)
+        self._told &= urls  # a removed worker added again is told about again
         for url in urls - set(policy.subs):
             if time.monotonic() - self._asked.get(url, -1e9) < REDISCOVER_S:
                 continue
@@ -119,6 +121,11 @@ class KvEventSources:
                 continue  # removed (or subscribed) during the wait
             if not eps:
                 self._asked[url] = time.monotonic()
+                if url not in self._told:  # else a user sees branch=fallback with no reason anywhere
+                    self._told.add(url)
+                    log.warning("kv-events: %s names no KV-event publisher (no kv_events_config in its "
+                                "/get_server_info, no --kv-events-endpoint for it): routed on the approximate "
+                                "tree (branch=fallback) until it does; start it with --kv-events-config", url)
                 continue
             self._asked.pop(url, None)
             subs = {}
@@ -156,6 +163,7 @@ class KvEventSources:
             s.stop(timeout=0.5)
         self.policy.index.drop_worker(url)
         self._asked.pop(url, None)
+        self._told.discard(url)
         if subs:
             log.info("kv-events: %s unsubscribed", url)
 
