@@ -109,6 +109,8 @@ def test_bad_instance_flags_are_one_line():
     args, rest = launch.build_parser().parse_known_args(["--tp-size", "two"])
     bad, note = memory.check_launch(args, rest)
     assert note is None and bad == "fleetserve serve: error: argument --tp-size/--tp: invalid int value: 'two'"
+    assert memory.check_fleet_memory(1, ["--max-total-tokns", "4096"], available=64 * GIB) == (
+        "fleetserve serve: error: unrecognized arguments: --max-total-tokns 4096", None)
 
 
 def test_available_memory_reads_meminfo():

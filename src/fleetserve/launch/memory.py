@@ -135,14 +135,16 @@ def check_fleet_memory(workers: int, instance_args: list[str], available: int) -
     """``(error, note)`` for ``workers`` engine instances started with ``instance_args`` on a
     machine with ``available`` bytes free. Imports torch (the engine's flags and the model).
 
-    ``error``: one line when the fleet would not fit, or when the instance flags or the model's
-    config are bad (the instances would fail anyway); ``note``: one line with the estimate, or
+    ``error``: one line when the fleet would not fit, or when the instance flags (an unknown one
+    too) or the model's config are bad (the instances would fail anyway); ``note``: one line with the estimate, or
     why none was made (non-CPU devices are not checked).
     """
     from fleetserve.engine.args import ServerArgs
     from fleetserve.entrypoints.serve import build_parser
 
-    ns, _ = build_parser().parse_known_args(instance_args)
+    ns, unknown = build_parser().parse_known_args(instance_args)
+    if unknown:  # a typo every instance would refuse after its start (argparse's own words)
+        return f"fleetserve serve: error: unrecognized arguments: {' '.join(unknown)}", None
     try:
         server_args = ServerArgs.from_cli_args(ns)
     except ValueError as e:
