@@ -135,3 +135,10 @@ def test_router_flags_the_policy_does_not_read_are_said_before_anything_starts(m
     assert (code, len(started)) == (0, 1)
     assert ("[launch] warning: --router-args: --kv-load-weight has no effect under --policy round_robin (read only "
             "under kv_aware)\n") in capsys.readouterr().out
+
+
+def test_every_launch_flag_has_a_help_text():
+    from fleetserve.launch import build_parser
+
+    bare = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and not a.help]
+    assert bare == []

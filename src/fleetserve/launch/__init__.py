@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="router port (1..65535; 0: a free port picked by the "
                    "OS, printed)")
     p.add_argument("--worker-base-port", type=int, default=31000, help="instance i listens on this + i")
-    p.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin", "random", "power_of_two", "kv_aware"))
+    p.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin", "random", "power_of_two", "kv_aware"),
+                   help="the router's routing policy (fleetserve router --policy; kv_aware also gets the model's "
+                        "tokenizer)")
     p.add_argument("--router-args", default="", help='extra router flags, one string: "--cache-threshold 0.5"')
     p.add_argument("--worker-kind", choices=("engine", "sim"), default="engine",
                    help="engine: fleetserve serve; sim: fleetserve sim-worker (simulated, see bench docs)")
