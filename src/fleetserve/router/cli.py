@@ -27,6 +27,10 @@ from .routes import make_routes, metrics_routes
 
 log = logging.getLogger("fleetserve.router")
 
+#: Seconds between the "still waiting for ..." lines while ``--worker-urls`` workers start (a
+#: wrong URL or a slow model load is then visible long before --worker-startup-timeout-secs).
+STARTUP_LOG_INTERVAL_S = 30.0
+
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> int:
     """Run the router until ``stop`` is set (or a signal arrives); returns the exit code."""
@@ -60,7 +64,11 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         # a signal must stop the wait too (it can last --worker-startup-timeout-secs, 1800 s by default)
         adding = asyncio.ensure_future(router.add_initial_workers())
         stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait((adding, stopping), return_when=asyncio.FIRST_COMPLETED)
+        started = loop.time()
+        while not (await asyncio.wait((adding, stopping), timeout=STARTUP_LOG_INTERVAL_S,
+                                      return_when=asyncio.FIRST_COMPLETED))[0]:
+            log.info("still waiting for %s to become healthy (%.0f of %g s)", " ".join(router.starting),
+                     loop.time() - started, cfg.worker_startup_timeout_secs)
         stopping.cancel()
         if not adding.done():
             adding.cancel()
