@@ -55,8 +55,12 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
         async def info(_request):
             return web.json_response({"dp_size": 1})  # no kv_events_config
 
+        async def keyed_info(_request):
+            return web.json_response({"error": {"message": "missing API key"}}, status=401)
+
         app = web.Application()
         app.router.add_get("/get_server_info", info)
+        app.router.add_get("/keyed/get_server_info", keyed_info)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -65,7 +69,7 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
 
         class Registry:
             def urls(self):
-                return [url]
+                return [url, url + "/keyed"]
 
         class Router:
             registry = Registry()
@@ -84,7 +88,10 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
         return url
 
     url = asyncio.run(main())
-    lines = [r.getMessage() for r in caplog.records if "names no KV-event publisher" in r.getMessage()]
+    lines = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("kv-events: "))
     assert lines == [f"kv-events: {url} names no KV-event publisher (no kv_events_config in its /get_server_info, "
                      "no --kv-events-endpoint for it): routed on the approximate tree (branch=fallback) until it "
-                     "does; start it with --kv-events-config"]
+                     "does; start it with --kv-events-config",
+                     f"kv-events: {url}/keyed/get_server_info answered 401, so its KV-event publisher is unknown: "
+                     "routed on the approximate tree (branch=fallback); name it with --kv-events-endpoint "
+                     f"{url}/keyed=tcp://HOST:PORT"]
