@@ -202,3 +202,10 @@ def test_a_router_args_port_meets_the_port_checks_under_its_own_name(monkeypatch
 def test_launch_and_router_args_giving_the_router_two_addresses_is_refused(monkeypatch, capsys, argv, line):
     code, _, err, lau, _ = _launch(monkeypatch, capsys, argv)
     assert (code, err, lau) == (2, f"fleetserve launch: {line}", None)
+
+
+def test_every_launch_flag_has_a_help_text():
+    from fleetserve.launch import build_parser
+
+    bare = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and not a.help]
+    assert bare == []

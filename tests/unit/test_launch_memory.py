@@ -85,6 +85,12 @@ def test_fleet_that_fits_gets_a_note():
     argv = ["--max-total-tokens", "4096", "--dtype", "float32"]
     bad, note = memory.check_fleet_memory(2, argv, available=64 * GIB)
     assert bad is None and note.startswith("memory: about 1.7 GiB per instance") and "3.4 GiB for 2" in note
+    assert "(KV pool 0.2 GiB, --max-total-tokens 4096)" in note
+    _, note = memory.check_fleet_memory(2, ["--dtype", "float32"], available=64 * GIB)
+    assert "(KV pool 6.4 GiB, by default 10% of the available memory; --max-total-tokens or " \
+        "--mem-fraction-static sets it)" in note
+    _, note = memory.check_fleet_memory(1, ["--dtype", "float32", "--mem-fraction-static", "0.05"], available=64 * GIB)
+    assert "(KV pool 3.2 GiB, --mem-fraction-static 0.05 of the available memory)" in note
     bad, _ = memory.check_fleet_memory(2, argv, available=3 * GIB)
     assert bad.startswith("--workers 2: the fleet needs about 3.4 GiB")
 
@@ -103,6 +109,8 @@ def test_bad_instance_flags_are_one_line():
     args, rest = launch.build_parser().parse_known_args(["--tp-size", "two"])
     bad, note = memory.check_launch(args, rest)
     assert note is None and bad == "fleetserve serve: error: argument --tp-size/--tp: invalid int value: 'two'"
+    assert memory.check_fleet_memory(1, ["--max-total-tokns", "4096"], available=64 * GIB) == (
+        "fleetserve serve: error: unrecognized arguments: --max-total-tokns 4096", None)
 
 
 def test_available_memory_reads_meminfo():

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -541,9 +542,11 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.num_workers < 1 or args.stream_interval < 1 or args.dp_size < 1:
-        print("--num-workers, --stream-interval and --dp-size must be >= 1", file=sys.stderr)
-        return 2
+    for flag, value in (("--num-workers", args.num_workers), ("--stream-interval", args.stream_interval),
+                        ("--dp-size", args.dp_size)):
+        if value < 1:
+            print(f"sim-worker: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         parse_kv_events_config(args.kv_events_config)
     except ValueError as e:
@@ -566,8 +569,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sim-worker: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. a port already in use
-        print(f"sim-worker: cannot listen on {args.host}:{args.port}..{args.port + args.num_workers - 1}: {e}",
-              file=sys.stderr)
+        ports = f"{args.port}" if args.num_workers == 1 else f"{args.port}..{args.port + args.num_workers - 1}"
+        print(f"sim-worker: --port {args.port}: cannot listen on {args.host}:{ports}: "
+              f"{os.strerror(e.errno) if e.errno else e}"
+              + (f" (--num-workers {args.num_workers})" if args.num_workers > 1 else ""), file=sys.stderr)
         return 1
     return 0
 

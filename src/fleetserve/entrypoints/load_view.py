@@ -50,7 +50,6 @@ The body's top level has SGLang's ``timestamp`` (UTC ISO 8601), ``version``,
 
 from __future__ import annotations
 
-import importlib.metadata
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
@@ -58,6 +57,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from fleetserve.engine.io_struct import SchedulerStats
+from fleetserve.entrypoints.version import PACKAGE_VERSION
 
 # SGLang's GetLoadsReqInput.VALID_SECTIONS; only "core" has figures here.
 VALID_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
@@ -77,11 +77,6 @@ PROMETHEUS_FIELDS = {
     "utilization": "Utilization (always 0)",
     "max_running_requests": "Maximum running requests",
 }
-
-try:  # the installed package's version, read from its metadata (not from the package root, a floor above)
-    _VERSION = importlib.metadata.version("fleetserve")
-except importlib.metadata.PackageNotFoundError:
-    _VERSION = "unknown"
 
 
 def parse_include(include: str | None) -> set[str]:
@@ -200,7 +195,7 @@ def loads_body(stats: list[SchedulerStats], num_accelerators: int) -> dict[str, 
     loads = [rank_load(s) for s in stats]
     return {
         "timestamp": datetime.now(timezone.utc).isoformat(),
-        "version": _VERSION,
+        "version": PACKAGE_VERSION,
         "dp_rank_count": len(loads),
         "accelerator": None,
         "num_accelerators": num_accelerators,

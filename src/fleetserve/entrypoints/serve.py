@@ -136,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"fleetserve serve: {e}", file=sys.stderr)
         return 2
+    from fleetserve.entrypoints.path_checks import model_path_error
+
+    bad = model_path_error("--model-path", args.model_path) or model_path_error("--tokenizer-path", args.tokenizer_path)
+    if bad:
+        print(f"fleetserve serve: {bad}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.kv_events_config and args.nnodes == 1:  # a busy KV-event port fails now, not in a rank
         from fleetserve.engine.kv_events.config import parse_kv_events_config

@@ -118,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="router port (1..65535; 0: a free port picked by the "
                    "OS, printed)")
     p.add_argument("--worker-base-port", type=int, default=31000, help="instance i listens on this + i")
-    p.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin", "random", "power_of_two", "kv_aware"))
+    p.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin", "random", "power_of_two", "kv_aware"),
+                   help="the router's routing policy (fleetserve router --policy; kv_aware also gets the model's "
+                        "tokenizer)")
     p.add_argument("--router-args", default="", help='extra router flags, one string: "--cache-threshold 0.5"')
     p.add_argument("--worker-kind", choices=("engine", "sim"), default="engine",
                    help="engine: fleetserve serve; sim: fleetserve sim-worker (simulated, see bench docs)")
@@ -399,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, instance_args = build_parser().parse_known_args(argv)
     if args.workers < 1:
-        print("--workers must be >= 1", file=sys.stderr)
+        print(f"fleetserve launch: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
     bad = port_range_error("--port", args.port, allow_zero=True)
     try:

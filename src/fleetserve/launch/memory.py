@@ -107,6 +107,19 @@ def estimate_instance(server_args, available: int, weights_bytes: int, kv_bytes_
                             overhead_bytes=FRONT_OVERHEAD_BYTES + ranks * RANK_OVERHEAD_BYTES, ranks=ranks)
 
 
+def kv_pool_source(server_args) -> str:
+    """Where the KV pool size of the estimate comes from, for the launch note: the flag the user
+    gave, or the default fraction of the memory available and the flags that change it."""
+    from fleetserve.engine.model_runner import DEFAULT_CPU_KV_FRACTION
+
+    if server_args.max_total_tokens is not None:
+        return f"--max-total-tokens {server_args.max_total_tokens}"
+    if server_args.mem_fraction_static:
+        return f"--mem-fraction-static {server_args.mem_fraction_static:g} of the available memory"
+    return (f"by default {DEFAULT_CPU_KV_FRACTION:.0%} of the available memory; "
+            "--max-total-tokens or --mem-fraction-static sets it")
+
+
 def fleet_memory_error(workers: int, est: InstanceEstimate, available: int) -> str | None:
     """One line saying the fleet does not fit (naming the flags that change it), or None."""
     need = workers * est.total_bytes
@@ -122,14 +135,16 @@ def check_fleet_memory(workers: int, instance_args: list[str], available: int) -
     """``(error, note)`` for ``workers`` engine instances started with ``instance_args`` on a
     machine with ``available`` bytes free. Imports torch (the engine's flags and the model).
 
-    ``error``: one line when the fleet would not fit, or when the instance flags or the model's
-    config are bad (the instances would fail anyway); ``note``: one line with the estimate, or
+    ``error``: one line when the fleet would not fit, or when the instance flags (an unknown one
+    too) or the model's config are bad (the instances would fail anyway); ``note``: one line with the estimate, or
     why none was made (non-CPU devices are not checked).
     """
     from fleetserve.engine.args import ServerArgs
     from fleetserve.entrypoints.serve import build_parser
 
-    ns, _ = build_parser().parse_known_args(instance_args)
+    ns, unknown = build_parser().parse_known_args(instance_args)
+    if unknown:  # a typo every instance would refuse after its start (argparse's own words)
+        return f"fleetserve serve: error: unrecognized arguments: {' '.join(unknown)}", None
     try:
         server_args = ServerArgs.from_cli_args(ns)
     except ValueError as e:
@@ -145,7 +160,7 @@ def check_fleet_memory(workers: int, instance_args: list[str], available: int) -
     est = estimate_instance(server_args, available, weights, kv_per_token)
     bad = fleet_memory_error(workers, est, available)
     note = (f"memory: about {est.total_bytes / GIB:.1f} GiB per instance (KV pool {est.kv_pool_bytes / GIB:.1f} GiB, "
-            f"set by --max-total-tokens), {workers * est.total_bytes / GIB:.1f} GiB for {workers}; "
+            f"{kv_pool_source(server_args)}), {workers * est.total_bytes / GIB:.1f} GiB for {workers}; "
             f"{available / GIB:.1f} GiB available")
     return bad, note
 

@@ -51,17 +51,25 @@ def tokenizer_dir(model_path: str | None = None) -> str:
     return folder
 
 def save_tokenizer_cache(tokenizer: Any, cache_dir: str) -> None:
-    """Save ``tokenizer`` into ``cache_dir`` atomically (write a sibling, then rename); errors only log."""
+    """Save ``tokenizer`` into ``cache_dir`` atomically (write a sibling, then rename); errors only log.
+
+    When another process saved a complete cache there first (``fleetserve launch`` starts its
+    instances together, and each converts the tokenizer on a first run), the rename fails with
+    "directory not empty": that is no error, so the copy is dropped without a warning.
+    """
     tmp = None
     try:
         os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(cache_dir))
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, cache_dir)
-    except OSError as e:  # e.g. another process saved it first
-        logger.warning("could not cache the tokenizer in %s: %s", cache_dir, e)
+    except OSError as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json")):  # another process won the race
+            logger.debug("tokenizer already cached in %s by another process", cache_dir)
+        else:
+            logger.warning("could not cache the tokenizer in %s: %s", cache_dir, e)
 
 
 def load_tokenizer(model_path: str | None = None):

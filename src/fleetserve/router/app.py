@@ -47,6 +47,7 @@ class Router:
         self.pool: UpstreamPool | None = None  # the proxy path
         self._tasks: list[asyncio.Task] = []
         self.pending: dict[str, asyncio.Task] = {}  # /add_worker urls waiting for their first good health check
+        self.starting: list[str] = []  # --worker-urls still waited for at start-up (add_initial_workers)
         self.max_attempts = cfg.max_attempts  # a computed config property, copied once
         self.info_turn = 0  # which available worker answers the next info request
         self.handling = 0  # inference requests being handled (the shutdown drain waits for them)
@@ -119,9 +120,16 @@ class Router:
         if c.disable_health_check:
             oks = [True] * len(urls)
         else:
-            oks = await asyncio.gather(*(
-                health.wait_healthy(self.session, u, c.health_check_endpoint, c.worker_startup_timeout_secs,
-                                    c.worker_startup_check_interval, c.health_check_timeout_secs) for u in urls))
+            self.starting = list(urls)
+
+            async def wait(u: str) -> bool:
+                ok = await health.wait_healthy(self.session, u, c.health_check_endpoint, c.worker_startup_timeout_secs,
+                                               c.worker_startup_check_interval, c.health_check_timeout_secs)
+                if ok:
+                    self.starting.remove(u)
+                return ok
+
+            oks = await asyncio.gather(*(wait(u) for u in urls))
         failed = []
         for u, ok in zip(urls, oks):
             if ok:

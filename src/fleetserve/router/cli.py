@@ -6,7 +6,8 @@ On SIGINT/SIGTERM it stops accepting connections and waits up to
 Exit codes: 0 after a clean stop, 1 if ``--port`` (or ``--prometheus-port``)
 cannot be bound (one log line; checked before the worker wait) or a
 ``--worker-urls`` worker never became healthy within
-``--worker-startup-timeout-secs``, 2 on bad flags (argparse).
+``--worker-startup-timeout-secs``, 2 on bad flags (argparse, or one line when building the
+policy finds a flag bad, e.g. a ``--tokenizer-path`` file that is no tokenizer).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from .routes import make_routes, metrics_routes
 
 log = logging.getLogger("fleetserve.router")
 
+#: Seconds between the "still waiting for ..." lines while ``--worker-urls`` workers start (a
+#: wrong URL or a slow model load is then visible long before --worker-startup-timeout-secs).
+STARTUP_LOG_INTERVAL_S = 30.0
+
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> int:
     """Run the router until ``stop`` is set (or a signal arrives); returns the exit code."""
@@ -33,7 +38,13 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
     socks = _bind_all(cfg)
     if socks is None:
         return 1
-    router = Router(cfg)
+    try:
+        router = Router(cfg)
+    except ValueError as e:  # a setting only building the policy finds bad (e.g. an unreadable --tokenizer-path)
+        for sk in socks:
+            sk.close()
+        print(f"fleetserve router: error: {e}", file=sys.stderr)
+        return 2
     await router.start()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -53,7 +64,11 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         # a signal must stop the wait too (it can last --worker-startup-timeout-secs, 1800 s by default)
         adding = asyncio.ensure_future(router.add_initial_workers())
         stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait((adding, stopping), return_when=asyncio.FIRST_COMPLETED)
+        started = loop.time()
+        while not (await asyncio.wait((adding, stopping), timeout=STARTUP_LOG_INTERVAL_S,
+                                      return_when=asyncio.FIRST_COMPLETED))[0]:
+            log.info("still waiting for %s to become healthy (%.0f of %g s)", " ".join(router.starting),
+                     loop.time() - started, cfg.worker_startup_timeout_secs)
         stopping.cancel()
         if not adding.done():
             adding.cancel()

@@ -205,6 +205,11 @@ def test_models_and_info(client, http):
     assert info["context_length"] == CTX and info["vocab_size"] == 257
     si = http.get("/get_server_info").json()
     assert "api_key" not in si and si["stats"]["kv_pool_size"] == 1000
+    import importlib.metadata
+    version = importlib.metadata.version("fleetserve")
+    assert si["version"] == version  # SGLang's field
+    r = httpx.get(str(http.base_url.join("/version")), timeout=10)  # vLLM's route, open without the key
+    assert (r.status_code, r.json()) == (200, {"version": version})
 
 
 def test_completion_text_usage_and_multibyte(client):

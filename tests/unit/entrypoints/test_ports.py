@@ -53,6 +53,23 @@ def test_sim_worker_refuses_ports_out_of_range(capsys, argv, line):
     assert capsys.readouterr().err.strip().splitlines() == [line]
 
 
+@pytest.mark.parametrize("flag", ["--num-workers", "--stream-interval", "--dp-size"])
+def test_sim_worker_names_the_flag_below_one(capsys, flag):
+    assert sim_worker.main([flag, "0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"sim-worker: {flag} must be >= 1, got 0"]
+
+
+def test_sim_worker_busy_port_names_the_flag(capsys, busy_port):
+    assert sim_worker.main(["--port", str(busy_port)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"sim-worker: --port {busy_port}: cannot listen on 127.0.0.1:{busy_port}: Address already in use")
+
+
+def test_launch_refuses_zero_workers(capsys):
+    assert launch.main(["--worker-kind", "sim", "--workers", "0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["fleetserve launch: --workers must be >= 1, got 0"]
+
+
 def test_sim_worker_port_zero_prints_the_real_port():
     proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "sim-worker", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -100,13 +117,13 @@ def test_launch_refuses_a_busy_port_before_starting_anything(capsys, busy_port, 
     assert "started" not in out.out
 
 
-def test_serve_refuses_a_busy_port_before_loading_the_model(capsys, busy_port, monkeypatch):
+def test_serve_refuses_a_busy_port_before_loading_the_model(capsys, busy_port, monkeypatch, tmp_path):
     def no_load(*_a, **_k):
         raise AssertionError("the model was loaded before the port was checked")
 
     monkeypatch.setattr(serve, "_start_schedulers", no_load)
     t0 = time.monotonic()
-    assert serve.main(["--model-path", "/nonexistent/model", "--port", str(busy_port)]) == 1
+    assert serve.main(["--model-path", str(tmp_path), "--port", str(busy_port)]) == 1
     assert time.monotonic() - t0 < 5
     assert capsys.readouterr().err.strip().splitlines() == [
         f"fleetserve serve: --port {busy_port}: cannot listen on 127.0.0.1:{busy_port}: Address already in use"]

@@ -9,6 +9,18 @@ def test_bad_flag_value_exits_2_without_starting(capsys):
     assert "--tp-size" in capsys.readouterr().err
 
 
+def test_missing_model_or_tokenizer_path_is_one_line_naming_the_flag(tmp_path, capsys):
+    assert launch_server.main(["--model-path", str(tmp_path / "nope"), "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == f"fleetserve serve: --model-path {tmp_path / 'nope'}: no such file or directory"
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    assert launch_server.main(["--model-path", str(f), "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (f"fleetserve serve: --model-path {f}: give a model directory "
+                                               "or a .gguf file")
+    assert launch_server.main(["--model-path", str(tmp_path), "--tokenizer-path", "/no/tok", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "fleetserve serve: --tokenizer-path /no/tok: no such file or directory"
+
+
 def test_parser_has_sglang_names():
     ns = launch_server.build_parser().parse_args([
         "--model", "/m", "--host", "0.0.0.0", "--port", "1234", "--max-total-tokens", "99",
@@ -19,7 +31,7 @@ def test_parser_has_sglang_names():
     assert (ns.served_model_name, ns.api_key, ns.max_request_bytes) == ("x", "k", 10)
 
 
-def test_served_name_and_tokenizer_cache_key(tmp_path, monkeypatch):
+def test_served_name_and_tokenizer_cache_key(tmp_path, monkeypatch, caplog):
     assert launch_server.default_served_name("/a/b/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
     assert launch_server.default_served_name("/models/llama/") == "llama"
     f = tmp_path / "m.gguf"
@@ -36,5 +48,12 @@ def test_served_name_and_tokenizer_cache_key(tmp_path, monkeypatch):
 
     tokenizer.save_tokenizer_cache(Tok(), d1)
     assert os.path.isfile(os.path.join(d1, "tokenizer_config.json"))
-    tokenizer.save_tokenizer_cache(Tok(), d1)  # second save: already there, logged, no leftovers
+    with caplog.at_level("WARNING", logger="fleetserve.models.tokenizer"):
+        tokenizer.save_tokenizer_cache(Tok(), d1)  # second save (two instances racing): no warning, no leftovers
+    assert [r.getMessage() for r in caplog.records] == []
     assert [n for n in os.listdir(os.path.dirname(d1)) if n.startswith(".tmp-")] == []
+    bad = str(tmp_path / "file-not-dir")
+    open(bad, "w").write("x")  # a real failure (the base is a file) still warns
+    with caplog.at_level("WARNING", logger="fleetserve.models.tokenizer"):
+        tokenizer.save_tokenizer_cache(Tok(), os.path.join(bad, "key"))
+    assert any("could not cache the tokenizer" in r.getMessage() for r in caplog.records)

@@ -76,6 +76,24 @@ def test_bad_tokenizer_path_is_one_line_naming_the_flag(tmp_path):
     assert out.returncode == 2 and "--kv-events-endpoint" in out.stderr.strip().splitlines()[-1]
 
 
+def test_tokenizer_path_to_a_gguf_or_a_bad_file_is_one_line(tmp_path, capsys):
+    from fleetserve.router import cli
+    from fleetserve.router.config import parse_args
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\xff")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--policy", "kv_aware", "--tokenizer-path", str(gguf)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"fleetserve router: error: --tokenizer-path {gguf}: a .gguf file; give a directory with the model's tokenizer.json")
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("not json")
+    assert cli.main(["--port", "0", "--policy", "kv_aware", "--tokenizer-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fleetserve router: error: --tokenizer-path {tmp_path}: cannot read ")
+
+
 def test_launch_gives_a_kv_aware_router_the_built_in_models_tokenizer(smollm2_dir):
     from fleetserve.launch import build_parser, router_tokenizer_args
 

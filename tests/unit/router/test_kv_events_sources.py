@@ -38,3 +38,60 @@ def test_flag_parsing():
                 "notaurl=tcp://h:1"]:
         with pytest.raises(ValueError):
             parse_endpoint_flags([bad])
+
+
+def test_a_worker_naming_no_publisher_is_logged_once(caplog):
+    """A kv_aware router in front of an engine started without --kv-events-config says so once
+    (its requests show branch=fallback with no reason= in the route header)."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from fleetserve.router.kv_events.policy import KvAwarePolicy
+    from fleetserve.router.kv_events.sources import KvEventSources
+
+    async def main():
+        async def info(_request):
+            return web.json_response({"dp_size": 1})  # no kv_events_config
+
+        async def keyed_info(_request):
+            return web.json_response({"error": {"message": "missing API key"}}, status=401)
+
+        app = web.Application()
+        app.router.add_get("/get_server_info", info)
+        app.router.add_get("/keyed/get_server_info", keyed_info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+        class Registry:
+            def urls(self):
+                return [url, url + "/keyed"]
+
+        class Router:
+            registry = Registry()
+
+        sources = KvEventSources(KvAwarePolicy())
+        try:
+            async with aiohttp.ClientSession() as session:
+                Router.session = session
+                with caplog.at_level("WARNING", logger="fleetserve.router"):
+                    await sources.sync(Router)
+                    sources._asked.clear()  # ask again at once: still no publisher, no second line
+                    await sources.sync(Router)
+        finally:
+            sources.close()
+            await runner.cleanup()
+        return url
+
+    url = asyncio.run(main())
+    lines = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("kv-events: "))
+    assert lines == [f"kv-events: {url} names no KV-event publisher (no kv_events_config in its /get_server_info, "
+                     "no --kv-events-endpoint for it): routed on the approximate tree (branch=fallback) until it "
+                     "does; start it with --kv-events-config",
+                     f"kv-events: {url}/keyed/get_server_info answered 401, so its KV-event publisher is unknown: "
+                     "routed on the approximate tree (branch=fallback); name it with --kv-events-endpoint "
+                     f"{url}/keyed=tcp://HOST:PORT"]

@@ -105,3 +105,27 @@ def test_worker_urls_are_normalized_or_refused_with_the_reason():
                      ("http://h:1/v1", "no path"), ("http://h:1#f", "no path"), ("http://u@h:1", "no path")):
         with pytest.raises(ValueError, match=why):
             normalize_url(bad)
+
+
+def test_start_up_wait_says_every_interval_which_workers_it_still_waits_for(monkeypatch, caplog):
+    """A --worker-urls worker that never answers: a line every STARTUP_LOG_INTERVAL_S naming it,
+    then the timeout line and exit 1 (the user does not stare at one line for 30 minutes)."""
+    import asyncio
+    import logging
+    import socket
+
+    from fleetserve.router import cli
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(cli, "STARTUP_LOG_INTERVAL_S", 0.3)
+    cfg = parse_args(["--port", "0", "--worker-urls", dead, "--worker-startup-timeout-secs", "1.2",
+                      "--worker-startup-check-interval", "0.1"])
+    with caplog.at_level(logging.INFO, logger="fleetserve.router"):
+        assert asyncio.run(cli.serve(cfg)) == 1
+    lines = [r.getMessage() for r in caplog.records]
+    waiting = [x for x in lines if x.startswith("still waiting for ")]
+    assert len(waiting) >= 2 and all(x.startswith(f"still waiting for {dead} to become healthy (") for x in waiting)
+    assert waiting[0].endswith(" of 1.2 s)")
+    assert lines[-1] == f"workers not healthy within 1.2 s: {dead}"

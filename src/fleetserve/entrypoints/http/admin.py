@@ -1,4 +1,4 @@
-"""Probes and operations: health, model and server info, cache flush, abort, Prometheus metrics."""
+"""Probes and operations: health, version, model and server info, cache flush, abort, Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from fleetserve.entrypoints.http.streaming import submit_all
 from fleetserve.entrypoints.metrics import CONTENT_TYPE
 from fleetserve.entrypoints.openai_protocol import AbortRequest, ModelCard, ModelList
 from fleetserve.entrypoints.server_info import router_discovery_fields
+from fleetserve.entrypoints.version import PACKAGE_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,12 @@ def model_card(state: ServerState) -> ModelCard:
     info = state.info
     return ModelCard(id=state.model_name, root=info.model_path, max_model_len=info.context_length,
                      created=int(state.tm.started))
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    """vLLM's ``GET /version``: ``{"version": "<fleetserve's version>"}``, open without the API key."""
+    return JSONResponse({"version": PACKAGE_VERSION})
 
 
 @router.get("/v1/models")
@@ -101,6 +108,7 @@ async def get_server_info(request: Request) -> JSONResponse:
         "stats": totals,
         "scheduler_stats": [s.__dict__ for s in stats],
         "active_requests": len(tm.streams),
+        "version": PACKAGE_VERSION,  # as SGLang's /get_server_info
     })
 
 

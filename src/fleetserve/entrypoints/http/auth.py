@@ -7,8 +7,8 @@ from typing import Any, Callable
 from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.http.errors import error_response
 
-# Paths answered without an API key (probes and scrapers).
-OPEN_PATHS = {"/health", "/metrics"}
+# Paths answered without an API key (probes and scrapers; /version as in vLLM, whose key guards /v1 only).
+OPEN_PATHS = {"/health", "/metrics", "/version"}
 
 
 class APIKeyMiddleware:

@@ -76,6 +76,10 @@ def validate(cfg) -> None:
         tok = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(tok):
             raise ValueError(f"--tokenizer-path {cfg.tokenizer_path}: no tokenizer.json there")
+        if tok.lower().endswith(".gguf"):  # the engine reads one; the router (no transformers) cannot
+            raise ValueError(f"--tokenizer-path {cfg.tokenizer_path}: a .gguf file; give a directory with the "
+                             "model's tokenizer.json (fleetserve launch --policy kv_aware passes the built-in "
+                             "model's itself)")
 
 
 def make_kv_aware(cfg):
@@ -86,7 +90,10 @@ def make_kv_aware(cfg):
     if cfg is None:
         return KvAwarePolicy()
     l0 = cfg.tokenizer_cache_l0_max_entries if cfg.tokenizer_cache_enable_l0 else 0
-    tok = RouterTokenizer(cfg.tokenizer_path, l0_max_entries=l0) if cfg.tokenizer_path else None
+    try:
+        tok = RouterTokenizer(cfg.tokenizer_path, l0_max_entries=l0) if cfg.tokenizer_path else None
+    except ValueError as e:  # e.g. a file that is no tokenizer.json
+        raise ValueError(f"--tokenizer-path {cfg.tokenizer_path}: {e}") from None
     return KvAwarePolicy(cfg.kv_prefill_weight, cfg.kv_load_weight, cfg.kv_speculative_ttl_secs,
                          cfg.kv_index_max_blocks, cfg.dp_aware, tok, route_header=not cfg.no_route_header,
                          overflow_weight=cfg.kv_overflow_weight, queue_weight=cfg.kv_queue_weight)

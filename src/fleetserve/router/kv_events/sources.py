@@ -93,6 +93,8 @@ class KvEventSources:
         self.flag_endpoints = flag_endpoints or {}
         self.ctx = zmq.Context()
         self._asked: dict[str, float] = {}  # url -> when its info was last asked for (no config found)
+        self._told: set[str] = set()  # urls already logged as naming no publisher (once per registration)
+        self._why: dict[str, str] = {}  # url -> why its last /get_server_info gave nothing (e.g. "answered 401")
 
     async def run(self, router) -> None:
         """Sync every :data:`SYNC_INTERVAL_S` until cancelled; then end every subscription."""
@@ -111,6 +113,7 @@ class KvEventSources:
         urls = set(router.registry.urls())
         for url in [u for u in policy.subs if u not in urls]:
             self.unsubscribe(url)
+        self._told &= urls  # a removed worker added again is told about again
         for url in urls - set(policy.subs):
             if time.monotonic() - self._asked.get(url, -1e9) < REDISCOVER_S:
                 continue
@@ -119,6 +122,17 @@ class KvEventSources:
                 continue  # removed (or subscribed) during the wait
             if not eps:
                 self._asked[url] = time.monotonic()
+                why = self._why.pop(url, None)
+                if url not in self._told:  # else a user sees branch=fallback with no reason anywhere
+                    self._told.add(url)
+                    if why is None:
+                        log.warning("kv-events: %s names no KV-event publisher (no kv_events_config in its "
+                                    "/get_server_info, no --kv-events-endpoint for it): routed on the approximate "
+                                    "tree (branch=fallback) until it does; start it with --kv-events-config", url)
+                    else:
+                        log.warning("kv-events: %s/get_server_info %s, so its KV-event publisher is unknown: "
+                                    "routed on the approximate tree (branch=fallback); name it with "
+                                    "--kv-events-endpoint %s=tcp://HOST:PORT", url, why, url)
                 continue
             self._asked.pop(url, None)
             subs = {}
@@ -133,14 +147,18 @@ class KvEventSources:
     async def discover(self, router, url: str):
         """The worker's streams: from the flag, else from its ``/get_server_info`` (None when it has none)."""
         info = None
+        self._why.pop(url, None)
         try:
             import aiohttp
 
             async with router.session.get(url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 200:
                     info = await r.json(content_type=None)
+                else:  # e.g. 401 from a worker started with --api-key (this request carries no key)
+                    self._why[url] = f"answered {r.status}"
         except Exception as e:  # unreachable, not JSON, ...: ask again later
             log.debug("kv-events: %s/get_server_info: %s", url, e)
+            self._why[url] = f"failed ({type(e).__name__})"
         if not isinstance(info, dict):
             info = {}
         ep = self.flag_endpoints.get(url)
@@ -156,6 +174,7 @@ class KvEventSources:
             s.stop(timeout=0.5)
         self.policy.index.drop_worker(url)
         self._asked.pop(url, None)
+        self._told.discard(url)
         if subs:
             log.info("kv-events: %s unsubscribed", url)
 

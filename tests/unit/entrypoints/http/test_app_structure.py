@@ -14,6 +14,7 @@ FAMILY = {
     "/generate": "native",
     "/v1/models": "admin",
     "/health": "admin",
+    "/version": "admin",
     "/health_generate": "admin",
     "/get_model_info": "admin",
     "/get_server_info": "admin",
