@@ -165,11 +165,6 @@ def start(router: Router, path: str, body: dict, route_text, headers: bytes,
     return Migration(router, path, body, route_text, headers, limit, session)
 
 
-def _fail(worker: Worker) -> None:
-    worker.failures += 1
-    worker.breaker.record_failure()
-
-
 class Migration:
     """Follows one streamed answer as the client sees it, and continues it on another worker.
 
@@ -501,7 +496,7 @@ class Migration:
                 if resp.status != 200 or resp.content_type != "text/event-stream":
                     await resp.read()
                     if resp.status >= 500 and resp.status != 503:
-                        _fail(worker)
+                        worker.record_failure(f"status {resp.status} to a migrated stream")
                     return "failed_before"
                 while True:
                     chunk = await resp.next_chunk()
@@ -520,10 +515,11 @@ class Migration:
                     if out:
                         await request.write(out)
                     if err is not None or worker.removed:
-                        _fail(worker)
+                        worker.record_failure("an error event in a migrated stream" if err is not None
+                                              else "removed during a migrated stream")
                         return "failed"
-            except UpstreamError:
-                _fail(worker)
+            except UpstreamError as e:
+                worker.record_failure(f"migrated stream: {type(e).__name__}: {e}")
                 return "failed" if started else "failed_before"
             if self.buf:
                 await request.write(self.buf)

@@ -75,11 +75,6 @@ def _forwarded_headers(resp: UpstreamResponse) -> list[tuple[str, str]]:
     return forwarded_response_headers(resp.header_pairs)
 
 
-def _fail(worker: Worker) -> None:
-    worker.failures += 1
-    worker.breaker.record_failure()
-
-
 class _Retry:
     """This attempt failed by the worker's fault; ``response`` is what the client gets if no retry is left."""
 
@@ -235,7 +230,7 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
                                       [*_forwarded_headers(resp), *shown]))
             if status >= 500:
                 data = await resp.read()
-                _fail(worker)
+                worker.record_failure(f"status {status}")
                 return _Retry(Response(status, data, resp.headers.get("content-type", _JSON),
                                        [*_forwarded_headers(resp), *shown]))
             if not stream or resp.content_type != "text/event-stream":
@@ -250,7 +245,7 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
             # so a worker that fails before its first event is still retried elsewhere
             first = await resp.next_chunk()
         except UpstreamError as e:
-            _fail(worker)
+            worker.record_failure(f"{type(e).__name__}: {e}")
             err = _upstream_error(e, f"upstream request to {worker.url} failed: {type(e).__name__}: {e}")
             return _Retry(Response(504 if isinstance(e, UpstreamTimeoutError) else 502, orjson.dumps(err)))
         # streaming: from here on bytes reach the client, so no retry (a migration instead, with mig)
@@ -304,7 +299,7 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chun
         except UpstreamError as e:
             # bytes already reached the client, so no retry: continue on another worker (mig), else
             # close off any half event and end with an error event (and no [DONE]) rather than a silent cut
-            _fail(worker)
+            worker.record_failure(f"mid-stream: {type(e).__name__}: {e}")
             if mig is not None and await mig.resume(request, worker):
                 request.end_stream()
                 return

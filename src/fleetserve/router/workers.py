@@ -8,10 +8,13 @@ times out or the client goes away.  Health checks never touch it.
 
 from __future__ import annotations
 
+import logging
 import re
 from urllib.parse import urlsplit
 
-from .circuit_breaker import CircuitBreaker
+from .circuit_breaker import OPEN, CircuitBreaker
+
+logger = logging.getLogger("fleetserve.router")
 
 
 _HOSTNAME = re.compile(r"^[a-z0-9]([a-z0-9_.-]*[a-z0-9])?$")  # after lower-casing; IPv6 is checked by urlsplit
@@ -74,6 +77,18 @@ class Worker:
         self.failures = 0
         self.removed = False
         self.draining = False  # POST /drain_worker: no new requests (drain.py)
+
+    def record_failure(self, reason: str) -> None:
+        """Count one request that failed by this worker's fault (a 5xx other than 503, a broken or
+        timed-out connection, an error event mid-stream) and log it as one warning line naming the
+        worker and ``reason``; a line more when this failure opens the circuit breaker."""
+        self.failures += 1
+        was_open = self.breaker.state is OPEN
+        self.breaker.record_failure()
+        logger.warning("worker %s failed a request: %s (failures so far: %d)", self.url, reason, self.failures)
+        if self.breaker.state is OPEN and not was_open:
+            logger.warning("worker %s: circuit breaker open; no requests to it for %.0f s", self.url,
+                           self.breaker.timeout_s)
 
     def available(self) -> bool:
         """Healthy, not removed, and its circuit lets a request through."""

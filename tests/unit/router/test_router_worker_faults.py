@@ -199,3 +199,34 @@ def test_reset_on_accept_is_never_a_500(loop_kind, InProcessRouter):
             await bad.close()
 
     run(loop_kind, asyncio.wait_for(main(), 50))
+
+
+@pytest.mark.timeout(60)
+def test_each_failure_and_the_breaker_opening_are_logged_naming_the_worker(InProcessRouter, caplog):
+    """A worker that answers garbage fails every attempt: one warning line per failed attempt names
+    the worker and what went wrong, with the running count, and one more line when the breaker
+    opens (here after 2 failures); the client gets the 502 as before."""
+    import logging
+
+    async def main():
+        bad = await FaultWorker("bad").start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(
+                    worker_urls=[bad.url], request_timeout_secs=TIMEOUT_S, retry_max_retries=2,
+                    retry_initial_backoff_ms=1, retry_max_backoff_ms=5, cb_failure_threshold=2,
+                    health_check_interval_secs=3600) as r:
+                bad.arm("garbage", times=100)
+                with caplog.at_level(logging.WARNING, logger="fleetserve.router"):
+                    async with s.post(r.url + "/generate", json={"text": "x"}) as resp:
+                        assert resp.status in (502, 503), await resp.text()
+                    await settled(s, r)
+                lines = [m.getMessage() for m in caplog.records if m.name == "fleetserve.router"]
+                failed = [line for line in lines if line.startswith(f"worker {bad.url} failed a request: ")]
+                assert len(failed) == 2 and failed[0].endswith("(failures so far: 1)"), lines
+                assert failed[1].endswith("(failures so far: 2)"), lines
+                assert f"worker {bad.url}: circuit breaker open; no requests to it for 60 s" in lines, lines
+                assert r.router.registry.get(bad.url).breaker.state == "open"
+        finally:
+            await bad.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
