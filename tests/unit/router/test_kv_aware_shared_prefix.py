@@ -1,0 +1,83 @@
+"""kv_aware on the states its debug log showed for shared_prefix on 2 engines with a 2048-token pool.
+
+The workload of docs/benchmarks.md ``routing-kv-engine``: 8 groups x 4 prompts, each prompt the
+group's 520-token system prompt (after the chat template) + a 38-token question (558 tokens),
+16 decode tokens, 4 in flight.  Page size 1 (our engine's default) unless a test says otherwise.
+"""
+
+from types import SimpleNamespace
+
+from fleetserve.router.kv_events.decode import BlockStored
+from fleetserve.router.kv_events.policy import KvAwarePolicy, RouteKey, _pending_prefix
+from fleetserve.router.workers import Worker
+
+A, B = "http://a:1", "http://b:1"
+TEMPLATE = [1, 2, 3]  # the chat template's first tokens, the same in every prompt
+
+
+def system(g: int) -> list[int]:
+    return TEMPLATE + [100_000 + 1000 * g + j for j in range(517)]  # 520 tokens
+
+
+def prompt(g: int, p: int) -> list[int]:
+    return system(g) + [900_000 + 100 * p + j for j in range(38)]  # 558 tokens
+
+
+def policy(block_size: int = 1, **kw) -> KvAwarePolicy:
+    pol = KvAwarePolicy(**kw)
+    for url in (A, B):
+        pol.subs[url] = {0: SimpleNamespace(state="exact")}
+        toks = [7] * block_size  # a first event tells the index the engine's page size
+        pol.index.apply((url, 0), BlockStored([1], None, toks, block_size))
+    return pol
+
+
+def store(pol, url, tokens, block_size=1):
+    n = len(tokens) // block_size
+    pol.index.apply((url, 0), BlockStored(list(range(10, 10 + n)), None, tokens[:n * block_size], block_size))
+
+
+def test_a_groups_second_prompt_follows_the_first_while_its_prefill_is_pending_past_the_ttl():
+    # On the CPU engines a 558-token prefill took seconds, longer than the 2 s speculative TTL, and the
+    # BlockStored event comes only when it ends: in between nothing said where the system prompt would be.
+    # TTL 0 stands for that window.
+    pol = policy(speculative_ttl_s=0)
+    wa, wb = Worker(A), Worker(B)
+    first = RouteKey("", prompt(0, 0), 16)
+    assert pol.select([wa, wb], first).url == A and first.queued == 558
+    second = RouteKey("", prompt(0, 1), 16)
+    assert pol.select([wa, wb], second).url == A
+    assert second.cached == 520  # the first one's prefix, pending on A
+    assert second.queued == 38  # its own question
+    assert pol.queued_tokens == {(A, None): 558 + 38}
+    # the rule before counted nothing cached on A and the whole 558 as queued there: it went to B
+    # (and B then computed and cached the same system prompt a second time)
+    other = RouteKey("", prompt(1, 0), 16)  # another group: it shares only the template
+    assert pol.select([wa, wb], other).url == B and other.cached == 0
+    pol.prefilled(first)
+    pol.prefilled(second)  # prefills ended: no longer pending, and no event or speculative entry yet
+    third = RouteKey("", prompt(0, 2), 16)
+    assert pol.select([wa, wb], third).url == A  # by the load: 558 + 0.1 x 628 against B's queue
+    assert third.cached == 0  # nothing holds the system prompt any more in the router's view
+
+
+def test_the_pending_prefix_is_cut_to_whole_pages():
+    pol = policy(block_size=16, speculative_ttl_s=0)
+    wa, wb = Worker(A), Worker(B)
+    pol.select([wa, wb], RouteKey("", prompt(0, 0), 16))
+    second = RouteKey("", prompt(0, 1), 16)
+    assert pol.select([wa, wb], second).url == A
+    assert second.cached == 512  # 520 shared tokens, 32 whole pages of 16
+
+
+def test_pending_prefix_is_the_longest_prefix_a_queued_request_starts_with():
+    def k(toks):
+        key = RouteKey("", toks, 0)
+        return key
+
+    P = list(range(100))
+    assert _pending_prefix(P, 99, [k(P[:50] + [-1] * 10), k(P[:70] + [-2])]) == 70
+    assert _pending_prefix(P, 60, [k(P[:70] + [-2])]) == 60  # at most the limit (prompt[:-1])
+    assert _pending_prefix(P, 99, [k([-1] + P[1:])]) == 0
+    assert _pending_prefix(P, 99, [k(P[:30])]) == 30  # a shorter prompt, all of it shared
+    assert _pending_prefix(P, 99, [RouteKey("text only")]) == 0  # no token ids: nothing to compare
