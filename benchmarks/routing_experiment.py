@@ -390,6 +390,9 @@ def engine_part(a: argparse.Namespace) -> None:
     loads = [os.getloadavg()[0]]
     try:
         wait_healthy(urls, procs, 900)
+        time.sleep(2)
+        if any(p.poll() is not None for p in procs):  # e.g. a port taken: another process answered /health
+            raise RuntimeError("an instance exited after start-up; see its log")
         for wname in a.workloads:
             # sglang-router fills in model "unknown" when a request names none, which our engine rejects
             bench_argv = [*workloads[wname], "--seed", "0", *load_args(a), "--model", a.model]

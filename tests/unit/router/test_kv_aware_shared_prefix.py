@@ -32,9 +32,19 @@ def policy(block_size: int = 1, **kw) -> KvAwarePolicy:
     return pol
 
 
+_hashes = iter(range(10, 1 << 30))  # the engine's block hashes: never the same twice
+
+
 def store(pol, url, tokens, block_size=1):
     n = len(tokens) // block_size
-    pol.index.apply((url, 0), BlockStored(list(range(10, 10 + n)), None, tokens[:n * block_size], block_size))
+    hashes = [next(_hashes) for _ in range(n)]
+    pol.index.apply((url, 0), BlockStored(hashes, None, tokens[:n * block_size], block_size))
+
+
+def queued(pol, workers, tokens) -> int:
+    key = RouteKey("", tokens, 16)
+    pol.select(workers, key)
+    return key.queued
 
 
 def test_a_groups_second_prompt_follows_the_first_while_its_prefill_is_pending_past_the_ttl():
@@ -81,3 +91,52 @@ def test_pending_prefix_is_the_longest_prefix_a_queued_request_starts_with():
     assert _pending_prefix(P, 99, [k([-1] + P[1:])]) == 0
     assert _pending_prefix(P, 99, [k(P[:30])]) == 30  # a shorter prompt, all of it shared
     assert _pending_prefix(P, 99, [RouteKey("text only")]) == 0  # no token ids: nothing to compare
+
+
+def test_a_prompt_stays_with_its_cached_system_prompt_behind_a_queue_of_about_as_many_tokens():
+    # The split in the logs: A holds group 0's system prompt (its events) and has two prefills queued,
+    # another group's whole prompt (555 uncached) and a group-0 question (38); B is idle.
+    def state(**kw):
+        pol = policy(speculative_ttl_s=0, **kw)
+        store(pol, A, system(0))
+        wa = Worker(A)
+        assert queued(pol, [wa], prompt(1, 0)) == 555  # only the template cached
+        assert queued(pol, [wa], prompt(0, 1)) == 38
+        return pol
+
+    wa, wb = Worker(A), Worker(B)
+    pol = state()  # --kv-queue-weight 0.5: A 38 + 0.5 x 593 + 0.1 x 625 = 397 against B's 555
+    key = RouteKey("", prompt(0, 2), 16)
+    assert pol.select([wa, wb], key).url == A and key.cached == 520
+    dynamo = state(queue_weight=1.0)  # the weight before (Dynamo's): A 693.5, so it left for B and
+    key = RouteKey("", prompt(0, 2), 16)  # B computed and cached the system prompt a second time
+    assert dynamo.select([wa, wb], key).url == B and key.cached == 0
+
+
+def test_a_conversation_stays_on_its_history_behind_a_queue_as_long_as_the_history():
+    # The move in the second multi_turn run's log: turn 1 (122 tokens) of a conversation whose 62-token
+    # history B holds, while B has another conversation's 60 new tokens queued; A holds only the
+    # chat template's 24 tokens.  The log's costs: A 98 + 0.1 x 51 = 103.1; B 60 + 60 + 0.1 x 120 = 132.
+    tmpl = list(range(500, 524))
+
+    def hist(c):
+        return tmpl + [10_000 + 100 * c + j for j in range(38)]
+
+    def turn1(c):
+        return hist(c) + [20_000 + 100 * c + j for j in range(60)]
+
+    def state(**kw):
+        pol = policy(speculative_ttl_s=0, **kw)
+        store(pol, A, tmpl)
+        store(pol, B, hist(0))
+        store(pol, B, hist(1))
+        assert queued(pol, [Worker(B)], turn1(1)) == 60
+        pol.load_tokens[(B, None)] += 44  # 120 in flight on B, 51 on A (the log's figures)
+        pol.load_tokens[(A, None)] = 51
+        return pol
+
+    wa, wb = Worker(A), Worker(B)
+    key = RouteKey("", turn1(0), 16)
+    assert state().select([wa, wb], key).url == B and key.cached == 62  # B: 60 + 0.5 x 60 + 12 = 102
+    key = RouteKey("", turn1(0), 16)
+    assert state(queue_weight=1.0).select([wa, wb], key).url == A and key.cached == 24  # the rule before
