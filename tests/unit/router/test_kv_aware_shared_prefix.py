@@ -5,6 +5,7 @@ group's 520-token system prompt (after the chat template) + a 38-token question 
 16 decode tokens, 4 in flight.  Page size 1 (our engine's default) unless a test says otherwise.
 """
 
+import time
 from types import SimpleNamespace
 
 from fleetserve.router.kv_events.decode import BlockStored
@@ -140,3 +141,21 @@ def test_a_conversation_stays_on_its_history_behind_a_queue_as_long_as_the_histo
     assert state().select([wa, wb], key).url == B and key.cached == 62  # B: 60 + 0.5 x 60 + 12 = 102
     key = RouteKey("", turn1(0), 16)
     assert state(queue_weight=1.0).select([wa, wb], key).url == A and key.cached == 24  # the rule before
+
+
+def test_speculative_entries_last_the_ttl_again_from_the_end_of_the_prefill():
+    pol = policy(speculative_ttl_s=5.0)
+    wa, wb = Worker(A), Worker(B)
+    targets = [(A, 0), (B, 0)]
+    key = RouteKey("", prompt(0, 0), 16)
+    assert pol.select([wa, wb], key).url == A
+    assert pol.index.match(prompt(0, 0)[:-1], targets) == {(A, 0): 557, (B, 0): 0}
+    pol.index._expire(time.monotonic() + 6.0)  # a prefill longer than the TTL: the entries ran out
+    assert pol.index.match(prompt(0, 0)[:-1], targets)[(A, 0)] == 0
+    pol.prefilled(key)  # its first chunk: its prompt is in A's tree now, its events on the way
+    assert pol.index.match(prompt(0, 0)[:-1], targets) == {(A, 0): 557, (B, 0): 0}
+    failed = RouteKey("", prompt(1, 0), 16)
+    assert pol.select([wb], failed).url == B
+    pol.index._expire(time.monotonic() + 6.0)
+    pol.release(failed)  # an attempt that failed (or a non-streamed answer): no new entries
+    assert pol.index.match(prompt(1, 0)[:-1], targets)[(B, 0)] == 0

@@ -451,9 +451,21 @@ class KvAwarePolicy:
 
     def prefilled(self, key) -> None:
         """The request's prefill ended (a stream's first answer bytes arrived): its uncached prompt tokens
-        are no longer queued prefill on its target.  Called again (or after :meth:`release`) it does nothing."""
+        are no longer queued prefill on its target, and its speculative entries there last
+        ``--kv-speculative-ttl-secs`` from now (its KV events are due).  Called again (or after
+        :meth:`release`) it does nothing."""
+        if self._end_prefill(key):
+            lk = key.charged[0]
+            index = self.index
+            if key.tokens and self.speculative_ttl_s > 0 and index.block_size:
+                url, rank = lk
+                for r in ((rank,) if rank is not None else self.ranks(url)):
+                    index.add_speculative((url, r), key.tokens, self.speculative_ttl_s)
+
+    def _end_prefill(self, key) -> bool:
+        """Take the request out of its target's queued prefill; False if it was not (or no longer) in it."""
         if not isinstance(key, RouteKey) or not key.queued or key.charged is None:
-            return
+            return False
         lk, _, sent = key.charged
         q, key.queued = key.queued, 0
         left = self.queued_tokens.get(lk, 0) - q
@@ -471,19 +483,13 @@ class KvAwarePolicy:
                 del self.queued_keys[lk]
         if self.engine_loads is not None:  # a snapshot that counted it as waiting must not count it still
             self.engine_loads.prefilled(lk[0], lk[1], sent, q)
-        index = self.index
-        if key.tokens and self.speculative_ttl_s > 0 and index.block_size:
-            # its prompt enters the engine's tree now and its events follow: the speculative entries last
-            # --kv-speculative-ttl-secs from here, not from the decision (a prefill may take longer)
-            url, rank = lk
-            for r in ((rank,) if rank is not None else self.ranks(url)):
-                index.add_speculative((url, r), key.tokens, self.speculative_ttl_s)
+        return True
 
     def release(self, key) -> None:
         """The request's answer ended (or its attempt failed): take its tokens out of the load."""
         if not isinstance(key, RouteKey) or key.charged is None:
             return
-        self.prefilled(key)  # a non-streamed answer (or a failed attempt): its prefill is over too
+        self._end_prefill(key)  # a non-streamed answer (or a failed attempt): its prefill is over too
         lk, n, sent = key.charged
         key.charged = None
         if self.engine_loads is not None:  # a snapshot that still counts it must not count it twice
