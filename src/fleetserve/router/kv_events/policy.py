@@ -196,8 +196,8 @@ def _pending_prefix(tokens: list[int], limit: int, queued_keys) -> int:
         if ktoks is None:
             continue
         hi = min(limit, len(ktoks))
-        if hi <= best or ktoks[:best] != tokens[:best]:
-            continue
+        if hi <= best or ktoks[best] != tokens[best] or ktoks[:best] != tokens[:best]:
+            continue  # it cannot beat the best so far (the token after it differs: no slice copied)
         if ktoks[:hi] == tokens[:hi]:
             best = hi
             continue
