@@ -155,7 +155,7 @@ def port_free(port: int) -> bool:
 
 
 def run_one(label: str, kind: str, flags: list[str], urls: list[str], bench_argv: list[str], port: int,
-            peer_python: str, logdir: Path) -> dict:
+            peer_python: str, logdir: Path, baseline_src: str = "") -> dict:
     flush(urls)
     for _ in range(60):  # the previous router may still be closing
         if port_free(port):
@@ -163,7 +163,11 @@ def run_one(label: str, kind: str, flags: list[str], urls: list[str], bench_argv
         time.sleep(1)
     else:
         raise RuntimeError(f"port {port} is taken by another process: refusing to measure the wrong router")
-    rp = start(router_cmd(kind, port, urls, flags, peer_python), logdir / f"router-{label}.log")
+    env = None
+    if kind == "base":  # our router from --baseline-src: the code before a change
+        env = dict(os.environ, PYTHONPATH=str(Path(baseline_src).resolve()))
+    rp = start(router_cmd("ours" if kind == "base" else kind, port, urls, flags, peer_python),
+               logdir / f"router-{label}.log", env)
     try:
         wait_healthy([f"http://127.0.0.1:{port}"], [rp], 120)
         time.sleep(0.5)
@@ -339,6 +343,9 @@ def engine_routers(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         kv_flags = ["--policy", "kv_aware", "--tokenizer-path", tokenizer_dir()]
         rows["kv_aware"] = ("kv_aware (ours)", "ours", kv_flags)
     out = [rows[name] for name in a.routers]
+    if a.baseline_src and kv_flags:  # the same kv_aware flags on the code before a change, after ours
+        i = next(i for i, r in enumerate(out) if r[0] == "kv_aware (ours)")
+        out.insert(i + 1, ("kv_aware (before)", "base", kv_flags))
     for extra in a.kv_variant:  # more kv_aware rows, each with these flags added (e.g. an old weight)
         out.append((f"kv_aware {extra}", "ours", [*kv_flags, *shlex.split(extra)]))
     for c in a.bounded_load:
@@ -350,7 +357,7 @@ def engine_routers(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
 def engine_part(a: argparse.Namespace) -> None:
     logdir = Path(a.log_dir)
     logdir.mkdir(parents=True, exist_ok=True)
-    port0 = 36500
+    port0 = 36500 + a.port_offset
     urls = [f"http://127.0.0.1:{port0 + i}" for i in range(a.instances)]
     threads = a.threads_per_instance or max(1, (os.cpu_count() or 1) // a.instances)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))  # instances share the cores: no oversubscription
@@ -358,11 +365,16 @@ def engine_part(a: argparse.Namespace) -> None:
     def events(i: int) -> list[str]:
         if "kv_aware" not in a.routers:
             return []
-        cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT + i}",
-               "replay_endpoint": f"tcp://*:{KV_EVENTS_PORT + 100 + i}"}
+        port = KV_EVENTS_PORT + a.port_offset + i
+        cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{port + 100}"}
         return ["--kv-events-config", json.dumps(cfg)]
 
-    procs = [start([PY, "-m", "fleetserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port0 + i),
+    if a.sim_worker is not None:  # a cheap stand-in: one sim-worker per instance (same ports, events, pool)
+        serve = ["sim-worker", "--tokenizer", "smollm2", "--model-name", a.model, "--num-workers", "1",
+                 *shlex.split(a.sim_worker)]
+    else:
+        serve = ["serve"]
+    procs = [start([PY, "-m", "fleetserve.cli", *serve, "--host", "127.0.0.1", "--port", str(port0 + i),
                     *shlex.split(a.engine_args), *events(i)], logdir / f"engine-{i}.log", env)
              for i in range(a.instances)]
     workloads = {
@@ -378,12 +390,17 @@ def engine_part(a: argparse.Namespace) -> None:
     loads = [os.getloadavg()[0]]
     try:
         wait_healthy(urls, procs, 900)
+        time.sleep(2)
+        if any(p.poll() is not None for p in procs):  # e.g. a port taken: another process answered /health
+            raise RuntimeError("an instance exited after start-up; see its log")
         for wname in a.workloads:
             # sglang-router fills in model "unknown" when a request names none, which our engine rejects
             bench_argv = [*workloads[wname], "--seed", "0", *load_args(a), "--model", a.model]
             print(f"== engine: {a.instances} instances, {wname}, {load_text(a)}", flush=True)
-            rows = [run_one(label, kind, flags, urls, bench_argv, 36900, a.peer_python, logdir)
-                    for label, kind, flags in engine_routers(a)]
+            # each row its own router port: a stopped router's port may sit in TIME_WAIT for a minute
+            rows = [run_one(label, kind, flags, urls, bench_argv, 36900 + a.port_offset + j, a.peer_python, logdir,
+                            a.baseline_src)
+                    for j, (label, kind, flags) in enumerate(engine_routers(a))]
             all_rows[wname] = rows
             sections.append((wname, rows))
             RESULTS.mkdir(exist_ok=True)
@@ -463,6 +480,13 @@ def main() -> None:
     e.add_argument("--routers", nargs="+", default=["round_robin", "cache_aware", "sglang"],
                    choices=["round_robin", "cache_aware", "sglang", "kv_aware"],
                    help="rows, in this order (kv_aware: the instances publish KV events)")
+    e.add_argument("--baseline-src", default="", metavar="DIR",
+                   help="add a `kv_aware (before)` row: the router run from this src folder (the code before a change)")
+    e.add_argument("--port-offset", type=int, default=0,
+                   help="added to every port (instances 36500+i, router 36900, KV events 37500+i): two runs at once")
+    e.add_argument("--sim-worker", default=None, metavar="FLAGS",
+                   help="run `fleetserve sim-worker --tokenizer smollm2 FLAGS` instances instead of `fleetserve serve` "
+                        "(e.g. '--profile cpu-smollm2 --page-size 1'; --engine-args still apply): a quick stand-in")
     e.add_argument("--kv-variant", action="append", default=[], metavar="FLAGS",
                    help="one more kv_aware row with these router flags added (repeatable), e.g. '--kv-queue-weight 0'")
     import routing_kv

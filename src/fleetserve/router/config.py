@@ -104,7 +104,7 @@ class RouterConfig:
     kv_prefill_weight: float = 1.0
     kv_load_weight: float = 0.1  # measured on sim-workers: docs/benchmarks.md "routing-kv"
     kv_overflow_weight: float = 0.0  # off: it did not help on the sims (docs/router.md, the cost)
-    kv_queue_weight: float = 1.0  # queued prefill costs as the request's own (NVIDIA Dynamo; docs/router.md)
+    kv_queue_weight: float = 0.5  # a queued prefill token costs half an uncached one of the request (docs/router.md)
     kv_speculative_ttl_secs: float = 2.0
     kv_index_max_blocks: int = 1 << 20
     kv_loads_interval_secs: float = 1.0

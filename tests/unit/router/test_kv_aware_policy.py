@@ -105,8 +105,17 @@ def test_a_burst_of_one_new_prefix_follows_the_first_request():
     off = policy({A: ["exact"], B: ["exact"]}, speculative_ttl_s=0.0)
     store(off, A, [0, 0, 0, 0])
     store(off, B, [0, 0, 0, 0])
-    got = {off.select([wa, wb], RouteKey("", P, 0)).url for _ in range(4)}
-    assert got == {A, B}  # without speculation the load spreads the burst
+    keys = [RouteKey("", P, 0) for _ in range(4)]
+    # without speculation the burst still follows the first while its prefill is pending there
+    assert {off.select([wa, wb], k).url for k in keys} == {first.url}
+    for k in keys:
+        off.release(k)
+    got = set()
+    for _ in range(4):
+        k = RouteKey("", P, 0)
+        got.add(off.select([wa, wb], k).url)
+        off.prefilled(k)  # prefilled, no event yet and no speculative entries: nothing says where P is
+    assert got == {A, B}  # so the load spreads them
 
 
 def test_dp_aware_picks_a_rank_and_without_it_a_worker_takes_its_best_rank():

@@ -39,10 +39,13 @@ def test_the_old_rule_piled_the_first_turns_on_one_worker_and_the_queue_term_spr
     urls, _ = route_burst(old)
     assert urls == [A, A, A, A]
     assert old.load_tokens == {(A, None): 62 + 16 + 3 * (38 + 16)}
-    new = kv()  # --kv-queue-weight 1 (default): A holds 62 tokens still to prefill
+    new = kv()  # --kv-queue-weight 0.5 (default): A holds 62 tokens still to prefill
     urls, keys = route_burst(new)
-    # 2nd: A costs 38 + (62 - 24 shared) + 0.1 x 78 = 83.8, B 62; 3rd: a tie (fewer requests, then order)
+    # 2nd: A costs 38 + 0.5 x (62 - 24 shared) + 0.1 x 78 = 64.8, B 62; 3rd: a tie (fewer requests, then
+    # order); 4th: A 38 + 0.5 x 76 + 0.1 x 132 = 89.2 against B's 64.8
     assert urls == [A, B, A, B]
+    dynamo = kv(queue_weight=1.0)  # Dynamo's weight spreads them the same way (2nd: A 83.8 against 62)
+    assert route_burst(dynamo)[0] == [A, B, A, B]
     assert new.queued_tokens == {(A, None): 62 + 38, (B, None): 62 + 38}
     assert [k.queued for k in keys] == [62, 62, 38, 38]
 
@@ -63,7 +66,7 @@ def test_a_prefill_that_ended_no_longer_pushes_the_next_request_away():
     assert pol.queued_tokens == {} and pol.queued_keys == {} and pol.load_tokens == {}
 
 
-def test_a_conversation_stays_on_its_history_unless_the_queue_there_is_longer_than_it():
+def test_a_conversation_stays_on_its_history_unless_the_queue_there_is_twice_as_long():
     def state():
         pol = kv()
         pol.tree.insert(RouteKey("", turn0(0)).tree_text(), A)  # conversation 0's first turn ran on A
@@ -80,8 +83,12 @@ def test_a_conversation_stays_on_its_history_unless_the_queue_there_is_longer_th
     other = RouteKey("", turn0(5) + list(range(30_000, 30_061)), 16)
     assert pol.select([wa, wb], other).url == A and other.queued == 61  # conversation 5's turn 1, queued
     key = RouteKey("", history, 16)
-    # A: 61 + 61 queued (it shares only the template, which both had cached) + 0.1 x 77 = 129.7; B: 99
+    # A: 61 + 0.5 x 61 queued (it shares only the template, which both had cached) + 0.1 x 77 = 99.2; B: 99
     assert pol.select([wa, wb], key).url == B
+    pol = state()
+    pol.select([wa, wb], RouteKey("", turn0(5) + list(range(30_000, 30_040)), 16))  # a 40-token question queued
+    key = RouteKey("", history, 16)
+    assert pol.select([wa, wb], key).url == A  # A: 61 + 0.5 x 40 + 0.1 x 56 = 86.6 against B's 99
 
 
 def test_the_shared_part_of_queued_prefill_is_counted_once():

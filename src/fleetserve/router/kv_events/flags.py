@@ -35,7 +35,7 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--kv-queue-weight", type=float, default=d.kv_queue_weight,
                    help="kv_aware: cost per uncached prompt token still waiting for prefill on a target (this "
                         "router's requests before their first answer bytes; the engine's /v1/loads "
-                        "num_waiting_uncached_tokens), times --kv-prefill-weight (default 1; 0: off; docs/router.md)")
+                        "num_waiting_uncached_tokens), times --kv-prefill-weight (default 0.5; 0: off; docs/router.md)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")

@@ -10,7 +10,11 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   engines always compute the last prompt token), by the trust of its
   KV-event stream (:mod:`.subscriber`): ``exact`` -> the event index (plus
   speculative entries); ``degraded`` -> the larger of the index and the
-  approximate tree; ``fallback`` -> the approximate tree.  Two things force
+  approximate tree; ``fallback`` -> the approximate tree; in every mode at least
+  the prefix (in whole pages) it shares with this router's requests on ``t`` whose
+  prefill has not ended (:func:`_pending_prefix`): ``t`` computes that before or
+  beside the request, and no event can announce it before that prefill ends (on
+  CPU engines a prefill outlasts the speculative TTL).  Two things force
   ``fallback`` whatever the stream's trust, with a reason in the route header:
   ``reason=tokenizer``, the worker counts other prompt tokens than the router
   does (:mod:`.tokenizer_check`), and ``reason=text``, the request has no token
@@ -33,12 +37,17 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   the first chunk with the first token, as our engine does) or until a non-streamed
   answer ends; while the engine's ``/v1/loads`` figure is fresh, the larger of that
   and its ``num_waiting_uncached_tokens`` (less what this router saw prefilled since
-  it was taken, :meth:`.loads.EngineLoads.prefilled`).  It costs as much as the
-  request's own uncached tokens (``--kv-queue-weight`` 1): the engine must compute
-  it before or beside the request's own prefill, so it delays the first token as
-  much.  This is NVIDIA Dynamo's KV router term (its ``prefill_tokens`` per worker
-  are the request's new tokens plus the worker's active prefill tokens, cleared at
-  the first token, under the same overlap weight as the request's own).
+  it was taken, :meth:`.loads.EngineLoads.prefilled`).  A queued token costs half
+  an uncached token of the request (``--kv-queue-weight`` 0.5): it delays the first
+  token as much as one of the request's own, but the request's own uncached tokens
+  also delay every request after it on ``t`` and are work the fleet would not
+  otherwise do, while the queued ones are computed wherever the request goes (own
+  tokens counted twice, for the wait and for the work: queued ones half).  The term
+  is NVIDIA Dynamo's KV router's (its ``prefill_tokens`` per worker are the request's
+  new tokens plus the worker's active prefill tokens, cleared at the first token);
+  Dynamo weighs the two alike, which on 2 engines made requests leave a 520-token
+  cached system prompt or a 62-token history to skip a queue of about as many
+  tokens (docs/router.md).
 
 Lowest cost wins; ties go to the fewest in-flight requests, then to the target this policy
 chose least recently (one never chosen first; among those, registration order).  So sequential
@@ -52,7 +61,8 @@ The approximate tree (the router's own record of what it sent, over the token
 ids' text form) is updated on every decision in every mode, so a target whose
 stream fails is routed as ``cache_aware`` would.  A routed request's full
 blocks count as cached on the chosen worker for ``--kv-speculative-ttl-secs``
-(speculative entries), so a burst of one new prefix follows its first request.
+(speculative entries) from the decision and again from the end of its prefill (when its
+events are due), so a burst of one new prefix follows its first request.
 Without token ids (no ``--tokenizer-path`` and a text prompt) the request is
 routed on its text in the tree, at about 4 characters per token (``branch=fallback
 reason=text``).
@@ -174,6 +184,34 @@ def _shared_queued(tokens: list[int], cached: int, queued_keys) -> int:
     return shared
 
 
+def _pending_prefix(tokens: list[int], limit: int, queued_keys) -> int:
+    """The longest prefix of ``tokens[:limit]`` that one of ``queued_keys`` (requests routed to a target
+    whose prefill has not ended) starts with: the target computes it before or beside this request
+    (the engines wait a step to share a prefix in prefill), so it counts as cached there although no
+    KV event can have announced it yet.  Cost: O(queued requests x log prompt) slice comparisons.
+    """
+    best = 0
+    for k in queued_keys:
+        ktoks = k.tokens
+        if ktoks is None:
+            continue
+        hi = min(limit, len(ktoks))
+        if hi <= best or ktoks[best] != tokens[best] or ktoks[:best] != tokens[:best]:
+            continue  # it cannot beat the best so far (the token after it differs: no slice copied)
+        if ktoks[:hi] == tokens[:hi]:
+            best = hi
+            continue
+        good, bad = best, hi  # tokens[:good] agree, tokens[:bad] do not
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if ktoks[:mid] == tokens[:mid]:
+                good = mid
+            else:
+                bad = mid
+        best = good
+    return best
+
+
 class KvAwarePolicy:
     """See the module docstring.  ``select`` runs on the event loop; events arrive on threads."""
 
@@ -182,7 +220,7 @@ class KvAwarePolicy:
     def __init__(self, prefill_weight: float = 1.0, load_weight: float = 0.1, speculative_ttl_s: float = 2.0,
                  max_blocks: int = 1 << 20, dp_aware: bool = False, tokenizer: RouterTokenizer | None = None,
                  tokenize_threads: int = 2, route_header: bool = True, overflow_weight: float = 0.0,
-                 queue_weight: float = 1.0) -> None:
+                 queue_weight: float = 0.5) -> None:
         self.route_header = route_header
         self.overflow_weight = overflow_weight
         self.queue_weight = queue_weight
@@ -277,6 +315,8 @@ class KvAwarePolicy:
         queue_weight = prefill_weight * self.queue_weight
         check = self.tokenizer_check
         chosen_at = self.chosen_at
+        queued_keys_of = self.queued_keys
+        block_size_of = self._block_size
         terms = [] if log.isEnabledFor(logging.DEBUG) else None  # each target's cost terms, for the debug log
         for order, (w, rank, ranks) in enumerate(targets):
             url = w.url
@@ -300,6 +340,14 @@ class KvAwarePolicy:
                         cached, branch = c, state
             cached = min(int(cached), cap)
             lk = (url, rank)
+            pending_keys = queued_keys_of.get(lk) if tokens else None
+            if pending_keys and cached < cap:  # a prefix still in prefill there: no event yet, but it will be held
+                pending = _pending_prefix(tokens, cap, pending_keys)
+                bs = block_size_of(url, rank)
+                if bs > 1:
+                    pending -= pending % bs  # the engine shares whole pages only
+                if pending > cached:
+                    cached = pending
             load = mine = load_tokens.get(lk, 0)
             seen = None
             if engine_loads is not None:  # the engine's own count, while fresh (loads.py)
@@ -333,6 +381,13 @@ class KvAwarePolicy:
         key.reason = reason
         self._record(w.url, rank, key)
         return w
+
+    def _block_size(self, url: str, rank: int | None) -> int:
+        """The target's page size from its events (a whole worker: its ranks' largest); 1 when unknown."""
+        sizes = self.index.block_size
+        if rank is not None:
+            return sizes.get((url, rank), 1)
+        return max((sizes.get((url, r), 1) for r in self.ranks(url)), default=1)
 
     def select(self, workers: list, key, retry: bool = False):
         """The worker with the lowest cost; the decision is written into ``key``."""
@@ -396,9 +451,21 @@ class KvAwarePolicy:
 
     def prefilled(self, key) -> None:
         """The request's prefill ended (a stream's first answer bytes arrived): its uncached prompt tokens
-        are no longer queued prefill on its target.  Called again (or after :meth:`release`) it does nothing."""
+        are no longer queued prefill on its target, and its speculative entries there last
+        ``--kv-speculative-ttl-secs`` from now (its KV events are due).  Called again (or after
+        :meth:`release`) it does nothing."""
+        if self._end_prefill(key):
+            lk = key.charged[0]
+            index = self.index
+            if key.tokens and self.speculative_ttl_s > 0 and index.block_size:
+                url, rank = lk
+                for r in ((rank,) if rank is not None else self.ranks(url)):
+                    index.add_speculative((url, r), key.tokens, self.speculative_ttl_s)
+
+    def _end_prefill(self, key) -> bool:
+        """Take the request out of its target's queued prefill; False if it was not (or no longer) in it."""
         if not isinstance(key, RouteKey) or not key.queued or key.charged is None:
-            return
+            return False
         lk, _, sent = key.charged
         q, key.queued = key.queued, 0
         left = self.queued_tokens.get(lk, 0) - q
@@ -416,6 +483,7 @@ class KvAwarePolicy:
                 del self.queued_keys[lk]
         if self.engine_loads is not None:  # a snapshot that counted it as waiting must not count it still
             self.engine_loads.prefilled(lk[0], lk[1], sent, q)
+        return True
 
     def migrating(self, key, generated: int) -> None:
         """A stream of ``key`` failed mid-answer and goes on elsewhere (:mod:`..migration`): its target
@@ -436,7 +504,7 @@ class KvAwarePolicy:
         """The request's answer ended (or its attempt failed): take its tokens out of the load."""
         if not isinstance(key, RouteKey) or key.charged is None:
             return
-        self.prefilled(key)  # a non-streamed answer (or a failed attempt): its prefill is over too
+        self._end_prefill(key)  # a non-streamed answer (or a failed attempt): its prefill is over too
         lk, n, sent = key.charged
         key.charged = None
         if self.engine_loads is not None:  # a snapshot that still counts it must not count it twice
