@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -76,7 +77,8 @@ def write(args, argv, results, notes, modes, levels, nreq, rev, head, have_llama
                         f"{f'{n / b:.2f}x' if b and n else '-'} | {fmt(ll) if c == min(levels) else '-'} | "
                         f"{f'{n / ll:.2f}x' if ll and n else '-'} | {loads((mode, 'new', c))} | {retr} |")
     body = "\n".join([
-        f"base = `{rev}` (before this change), new = `{head}`; {args.threads} threads each "
+        f"base = `{rev}` (before this change), new = `{head}`"
+        f"{f' with `{args.new_args}`' if args.new_args else ''}; {args.threads} threads each "
         f"(`--torch-num-threads {args.threads}`, llama-server `-t {args.threads} -tb {args.threads}`), "
         f"{args.max_new_tokens} output tokens per request, median of {args.rounds} rounds, systems in "
         f"rotating order at each level. llama-server: `{ss.llama_server_version(args.llama_server) if have_llama else 'not run'}`"
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--section", default="engine-c1-speed-ab")
+    ap.add_argument("--new-args", default="", help="more `fleetserve serve` flags for the new server only "
+                                                   "(e.g. '--enable-torch-compile --torch-compile-max-bs 1')")
+    ap.add_argument("--start-timeout", type=float, default=600, help="seconds a server may take to start")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
 
@@ -121,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             servers = {"base": ss.fleetserve_server(path, mode, args.threads, wait=False, src=base_src,
                                                     name=f"base {mode}"),
-                       "new": ss.fleetserve_server(path, mode, args.threads, wait=False, name=f"new {mode}")}
+                       "new": ss.fleetserve_server(path, mode, args.threads, wait=False, name=f"new {mode}",
+                                                   extra_args=shlex.split(args.new_args))}
             try:
                 for srv in servers.values():
-                    ss.wait_ready(srv)
+                    ss.wait_ready(srv, args.start_timeout)
                 for name, srv in servers.items():
                     ss.measure(srv.base, prompts_for(2), [4, 4], 2, f"warm-{name}")
                 for li, c in enumerate(levels):

@@ -103,9 +103,11 @@ def stop(server: Server) -> None:
 
 
 def fleetserve_server(model_path: str, quantization: str, threads: int, timeout_s: float = 600,
-                      wait: bool = True, src: str | None = None, name: str | None = None) -> Server:
+                      wait: bool = True, src: str | None = None, name: str | None = None,
+                      extra_args: list[str] | tuple[str, ...] = ()) -> Server:
     """``fleetserve serve`` with ``--quantization quantization --torch-num-threads threads`` (one rank).
 
+    ``extra_args``: more ``fleetserve serve`` flags (e.g. ``--enable-torch-compile``).
     ``wait=False``: return at once (call :func:`wait_ready` later), so several start together.
     ``src``: the ``src`` folder to run fleetserve from (default: this checkout's), e.g. an older
     revision's for an A/B run; ``name``: the server's display name."""
@@ -114,7 +116,7 @@ def fleetserve_server(model_path: str, quantization: str, threads: int, timeout_
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", model_path, "--host", "127.0.0.1",
            "--port", str(port), "--quantization", quantization, "--torch-num-threads", str(threads),
-           "--random-seed", "0", "--disable-uvicorn-access-log", "--log-level", "warning"]
+           "--random-seed", "0", "--disable-uvicorn-access-log", "--log-level", "warning", *extra_args]
     return _start(name or f"fleetserve {quantization}", cmd, port, timeout_s, env, wait)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from fleetserve.core import fast_path
 from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
+from fleetserve.core.kv_pool import contiguous_run
 
 
 @dataclass
@@ -40,6 +41,10 @@ class ForwardContext:
         full_mask: True when every entry of ``mask`` is True (a DECODE group whose
             requests all have the same length, e.g. every batch of one request);
             :meth:`additive_mask` then gives None and attention runs unmasked.
+        kv_start: with the fast path on and one request (``B == 1``) whose slots are one
+            ascending run ``kv_start .. kv_start + L - 1`` (:func:`~fleetserve.core.kv_pool.contiguous_run`;
+            the allocator's order makes that the usual case at concurrency 1): the first slot,
+            and attention reads K/V as a view of the pool rows instead of gathering them; else None.
     """
 
     mode: ForwardMode
@@ -60,6 +65,7 @@ class ForwardContext:
     #: For a sub-batch: int64 ``[T_g]`` rows of the full batch's flat tokens it holds.
     token_idx: torch.Tensor | None = None
     full_mask: bool = False
+    kv_start: int | None = None
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """``mask`` as 0 / -inf in ``dtype`` (built once per forward, shared by all layers),
@@ -153,8 +159,10 @@ def _dense(mode: ForwardMode, kv: list[torch.Tensor], seq_l: list[int], ext_l: l
     ext = torch.tensor(ext_l, dtype=torch.int64, device=device)
     last = torch.cumsum(ext, 0) - 1
     fast = fast_path.ENABLED
+    kv_start = None
     if fast and B == 1:
         kv_idx = kv[0].reshape(1, -1)
+        kv_start = contiguous_run(kv[0])
     else:
         kv_idx = torch.nn.utils.rnn.pad_sequence(kv, batch_first=True, padding_value=0)
     L = kv_idx.shape[1]
@@ -176,4 +184,5 @@ def _dense(mode: ForwardMode, kv: list[torch.Tensor], seq_l: list[int], ext_l: l
         valid = qpos[None, :] < ext[:, None]
         q_gather = torch.where(valid, flat, torch.full_like(flat, T)).view(-1)
         q_scatter = (torch.arange(B, device=device)[:, None] * S + qpos[None, :])[valid]
-    return ForwardContext(mode, None, None, kv_idx, mask, q_gather, q_scatter, last, B, S, T, full_mask=full)
+    return ForwardContext(mode, None, None, kv_idx, mask, q_gather, q_scatter, last, B, S, T, full_mask=full,
+                          kv_start=kv_start)

@@ -38,6 +38,15 @@ class TokenSlotAllocator:
     Paging follows SGLang's ``PagedTokenToKVPoolAllocator`` (mem_cache/allocator.py):
     a request fills its last page before it takes a new one (:meth:`alloc_extend`),
     and a page is freed as a whole (:meth:`free` frees every page it is given a slot of).
+
+    Order (the rule tests rely on): the free list is a stack whose top is the lowest
+    page of a fresh pool (a fresh pool hands out ``1, 2, 3, ...``); every allocation
+    returns its pages in ascending order, and :meth:`free` pushes pages back highest
+    first, so the next allocation takes the lowest freed page first. Hence a request
+    that runs alone on a fresh (or just freed) pool gets one ascending run of slots:
+    its prefill takes ``a .. a + n - 1`` and each decode step the next slot, and
+    attention reads its K/V as a view of the pool instead of a gather
+    (:func:`contiguous_run`).
     """
 
     def __init__(self, size: int, page_size: int = 1):
@@ -56,10 +65,8 @@ class TokenSlotAllocator:
         self.clear()
 
     def clear(self) -> None:
-        if self.page_size == 1:
-            self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
-        else:
-            self._free = torch.arange(1, self.num_pages + 1, dtype=torch.int64)  # page ids
+        top = self.size if self.page_size == 1 else self.num_pages  # slot ids, or page ids
+        self._free = torch.arange(top, 0, -1, dtype=torch.int64)  # stack top (the end) = lowest
         self._num_free = self._free.numel()
 
     def available_size(self) -> int:
@@ -70,7 +77,7 @@ class TokenSlotAllocator:
         if k > self._num_free:
             return None
         start = self._num_free - k
-        out = self._free[start: self._num_free].clone()
+        out = self._free[start: self._num_free].flip(0)  # top of the stack first (a copy)
         self._num_free = start
         return out
 
@@ -138,12 +145,27 @@ class TokenSlotAllocator:
         end = self._num_free + k
         if end > self._free.numel():
             raise RuntimeError("freeing more KV slots than were allocated")
+        if k > 1:
+            pages = torch.sort(pages, descending=True).values  # lowest on top (the class's order rule)
         self._free[self._num_free: end] = pages
         self._num_free = end
 
     def free_slots(self) -> torch.Tensor:
         """The currently free slot indices (a copy), for invariant checks."""
         return self.page_slots(self._free[: self._num_free]).clone()
+
+
+def contiguous_run(slots: torch.Tensor) -> int | None:
+    """First slot of ``slots`` (int64 ``[L]``) when they are ``s, s + 1, ..., s + L - 1``, else None.
+
+    Reads the tensor on the host (CPU index tensors only; one check per forward, not per layer)."""
+    n = int(slots.numel())
+    if n == 0 or slots.device.type != "cpu":
+        return None
+    first = int(slots[0])
+    if n == 1 or (int(slots[-1]) - first == n - 1 and bool((slots[1:] - slots[:-1] == 1).all())):
+        return first
+    return None
 
 
 class MHAKVPool:

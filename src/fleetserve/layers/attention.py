@@ -152,5 +152,10 @@ class MHAttention(nn.Module):
         if T:
             pool.set_kv(self.layer_id, meta.out_cache_loc, k, v)
         kbuf, vbuf = pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id]
-        out = attend(q, meta, lambda idx: (gather_rows(kbuf, idx), gather_rows(vbuf, idx)), self.scale)
+        if meta.kv_start is not None:  # one request on one ascending run of slots: a view, no gather
+            s, L = meta.kv_start, meta.kv_idx.shape[1]
+            kv = (kbuf.narrow(0, s, L).unsqueeze(0), vbuf.narrow(0, s, L).unsqueeze(0))
+            out = ragged_attention(q, kv[0], kv[1], meta, self.scale)
+        else:
+            out = attend(q, meta, lambda idx: (gather_rows(kbuf, idx), gather_rows(vbuf, idx)), self.scale)
         return self.o_proj(out.reshape(T, self.q_size))

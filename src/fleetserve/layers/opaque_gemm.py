@@ -38,12 +38,22 @@ def register_gemm_layers(model: nn.Module) -> int:
     return n
 
 
-@torch.library.custom_op("fleetserve::gemm", mutates_args=())
+#: ``fleetserve::gemm`` is defined with the low-level ``torch.library.Library`` API rather than the
+#: ``torch.library.custom_op`` decorator: the op is called once per linear per compiled step (121
+#: times per SmolLM2 token), and the decorator's Python wrappers cost ~40 us a call against ~22 us
+#: here (1 thread, process CPU time, a 1 x 64 x 64 linear; docs/benchmarks.md, engine-c1-compiled).
+_LIB = torch.library.Library("fleetserve", "FRAGMENT")
+_LIB.define("gemm(Tensor x, Tensor weight, Tensor? bias, int handle) -> Tensor")
+
+
 def _gemm_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], handle: int) -> torch.Tensor:
     return _LAYERS[handle]._gemm(x, weight, bias)
 
 
-@_gemm_op.register_fake
+_LIB.impl("gemm", _gemm_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fleetserve::gemm", lib=_LIB)
 def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], handle: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 

@@ -49,5 +49,24 @@ def test_paged_allocator_hands_out_whole_aligned_pages():
 def test_page_size_one_is_the_token_allocator():
     a, b = TokenSlotAllocator(10), TokenSlotAllocator(10, page_size=1)
     assert a.max_slot == b.max_slot == 10
-    assert a.alloc(3).tolist() == b.alloc(3).tolist() == [8, 9, 10]
+    assert a.alloc(3).tolist() == b.alloc(3).tolist() == [1, 2, 3]
     assert TokenSlotAllocator(10).alloc(4).tolist() == TokenSlotAllocator(10, 1).alloc_extend(5, 99, 4).tolist()
+
+
+def test_allocator_keeps_a_lone_request_on_one_ascending_run():
+    # The documented order: fresh pools hand out 1, 2, 3, ...; frees go back lowest on top.
+    from fleetserve.core.kv_pool import contiguous_run
+
+    alloc = TokenSlotAllocator(16)
+    prefill = alloc.alloc(5)
+    steps = [alloc.alloc_extend(5 + i, int(prefill[-1]) + i, 1) for i in range(3)]
+    seq = torch.cat([prefill, *steps])
+    assert seq.tolist() == list(range(1, 9)) and contiguous_run(seq) == 1
+    alloc.free(seq[[6, 2, 4, 3]])  # any order in: slots 3, 4, 5, 7 come back lowest first
+    assert alloc.alloc(3).tolist() == [3, 4, 5]
+    assert alloc.alloc(2).tolist() == [7, 9]
+    assert contiguous_run(torch.tensor([3, 4, 5])) == 3 and contiguous_run(torch.tensor([7])) == 7
+    assert contiguous_run(torch.tensor([1, 5, 3, 4])) is None  # first + L - 1 == last, yet not a run
+    assert contiguous_run(torch.tensor([2, 1])) is None and contiguous_run(torch.tensor([], dtype=torch.int64)) is None
+    paged = TokenSlotAllocator(16, page_size=4)  # pages 1..4 = slots 4..19
+    assert paged.alloc(6).tolist() == list(range(4, 10))

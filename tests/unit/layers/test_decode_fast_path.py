@@ -79,15 +79,16 @@ def test_full_mask_only_when_every_key_is_visible(fast):
     fast(True)
     one = ForwardContext.build(_decode_batch([7]))
     assert one.full_mask and one.additive_mask(torch.float32) is None and one.kv_idx.shape == (1, 7)
+    assert one.kv_start == 1  # slots 1..7: attention reads a view of the pool
     same = ForwardContext.build(_decode_batch([5, 5, 5]))
     assert same.full_mask and same.additive_mask(torch.float32) is None
     ragged = ForwardContext.build(_decode_batch([5, 3]))
-    assert not ragged.full_mask
+    assert not ragged.full_mask and ragged.kv_start is None
     m = ragged.additive_mask(torch.float32)
     assert m.shape == (2, 1, 1, 5) and torch.isinf(m[1, 0, 0, 3:]).all() and (m[1, 0, 0, :3] == 0).all()
     fast(False)
     off = ForwardContext.build(_decode_batch([7]))
-    assert not off.full_mask and off.additive_mask(torch.float32).shape == (1, 1, 1, 7)
+    assert not off.full_mask and off.additive_mask(torch.float32).shape == (1, 1, 1, 7) and off.kv_start is None
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +117,25 @@ def test_model_fast_path_same_logits_and_tokens(llama_runner, fast):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert out[(False, "greedy")] == out[(True, "greedy")]
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_kv_view_is_the_gather_bit_for_bit(llama_runner, fast, mode):
+    """One request on one ascending run of slots: K/V read as a pool view give the gather's output."""
+    fast(True)
+    torch.manual_seed(3)
+    attn, pool = llama_runner.model.layers[0].self_attn, llama_runner.kv_pool
+    pool.k_buffer[0][1:40].normal_()
+    pool.v_buffer[0][1:40].normal_()
+    n, new = 12, (1 if mode == "decode" else 5)
+    kv = torch.arange(10, 10 + n)  # slots 10..21; the last `new` are this step's
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    batch = ForwardBatch(ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
+                         torch.zeros(new, dtype=torch.int64), torch.arange(n - new, n), kv[n - new:].clone(),
+                         t([n]), t([n - new]), t([new]), [kv])
+    meta = ForwardContext.build(batch)
+    assert meta.kv_start == 10
+    hidden = torch.randn(new, attn.o_proj.weight.shape[0])
+    view = attn(hidden, meta, pool)
+    meta.kv_start = None  # the gather path, same inputs (the KV writes repeat the same values)
+    assert torch.equal(attn(hidden, meta, pool), view) and view.abs().sum() > 0
