@@ -38,22 +38,12 @@ def _http(url, body=None, timeout=30):
 
 
 def _start(model_dir, log_path, *flags):
-    return _wait_healthy(*_spawn(model_dir, log_path, *flags), log_path)
-
-
-def _spawn(model_dir, log_path, *flags):
-    """``(process, port)`` of a just started server (not yet healthy: :func:`_wait_healthy`)."""
     port = free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", model_dir,
                              "--dtype", "float32", "--max-total-tokens", "512", "--port", str(port),
                              "--dist-timeout", "30", *flags], stdout=log, stderr=subprocess.STDOUT)
-    log.close()  # the child has its own copy of the descriptor
-    return proc, port
-
-
-def _wait_healthy(proc, port, log_path, timeout=120):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError("server exited during start-up:\n" + open(log_path).read()[-3000:])
@@ -111,30 +101,11 @@ def _generate(port, ids, **sp):
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_deepseek_v3_dir, tmp_path_factory):
-    """``{name: (process, port, log path)}``: the two single-node tests' own fresh servers, both started
-    at once (before ``ref``'s transformers run) so that their start-ups overlap; each test stops its own."""
-    flags = {"dp_attention_ep": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2",
-                                 "--moe-a2a-backend", "all_to_all"],
-             "tp2": ["--tp-size", "2"]}
-    out = {}
+def test_dp_attention_ep_server_spreads_requests_and_dies_cleanly(tiny_deepseek_v3_dir, ref, tmp_path):
+    log_path = str(tmp_path / "serve.log")
+    proc, port = _start(tiny_deepseek_v3_dir, log_path, "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
+                        "--ep-size", "2", "--moe-a2a-backend", "all_to_all")
     try:
-        for name, extra in flags.items():
-            log_path = str(tmp_path_factory.mktemp(f"parallel_serve_{name}") / "serve.log")
-            out[name] = (*_spawn(tiny_deepseek_v3_dir, log_path, *extra), log_path)
-        yield out
-    finally:
-        for proc, _, _ in out.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
-
-
-def test_dp_attention_ep_server_spreads_requests_and_dies_cleanly(servers, ref):
-    proc, port, log_path = servers["dp_attention_ep"]
-    try:
-        _wait_healthy(proc, port, log_path, timeout=240)  # two servers start together
         for ids, (want, _) in zip(PROMPTS, ref):
             assert _generate(port, ids)["output_ids"] == want
         info = _http(f"http://127.0.0.1:{port}/get_server_info")
@@ -152,10 +123,10 @@ def test_dp_attention_ep_server_spreads_requests_and_dies_cleanly(servers, ref):
             proc.wait(5)
 
 
-def test_tp2_server_keeps_ranks_in_step(servers, ref):
-    proc, port, log_path = servers["tp2"]
+def test_tp2_server_keeps_ranks_in_step(tiny_deepseek_v3_dir, ref, tmp_path):
+    log_path = str(tmp_path / "serve.log")
+    proc, port = _start(tiny_deepseek_v3_dir, log_path, "--tp-size", "2")
     try:
-        _wait_healthy(proc, port, log_path, timeout=240)  # two servers start together
         for ids, (want, _) in zip(PROMPTS, ref):
             assert _generate(port, ids)["output_ids"] == want
         # Sampled tokens: both ranks draw from one seed, so they stay in step and answer.
