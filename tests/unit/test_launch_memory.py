@@ -5,6 +5,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from fleetserve import launch
 from fleetserve.engine.args import ServerArgs
 from fleetserve.launch import memory
@@ -56,11 +58,23 @@ def _argv(*extra):
     return ["--port", str(_free_port()), "--worker-base-port", str(_free_port()), "--workers", "1", *extra]
 
 
-def test_launch_refuses_a_fleet_that_does_not_fit(monkeypatch, capsys):
-    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 * GIB)
-    code = launch.main(_argv("--max-total-tokens", "4096", "--dtype", "float32"))
-    out, err = capsys.readouterr()
-    assert code == 2
+@pytest.fixture(scope="module")
+def refused_launch():
+    """One ``fleetserve launch --workers 1 --max-total-tokens 4096 --dtype float32`` in a fresh
+    Python process, with 1 GiB available (injected): ``(stdout, stderr)``. Its last stdout line is
+    ``"<exit code> <torch imported?>"``. One process serves both tests below: each start imports
+    torch in the estimate's child, the costly part of these tests."""
+    script = ("import sys; from fleetserve import launch; from fleetserve.launch import memory; "
+              "memory.available_memory_bytes = lambda: 1 << 30; "
+              f"rc = launch.main({_argv('--max-total-tokens', '4096', '--dtype', 'float32')!r}); "
+              "print(rc, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    return done.stdout, done.stderr
+
+
+def test_launch_refuses_a_fleet_that_does_not_fit(refused_launch):
+    out, err = refused_launch
+    assert out.strip().splitlines()[-1].split()[0] == "2", (out, err)  # launch.main's exit code
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     # 538 MB weights + 4096 x 46080 B pool + 1050 MiB overhead = 1.71 GiB > 1.0 GiB
@@ -71,14 +85,10 @@ def test_launch_refuses_a_fleet_that_does_not_fit(monkeypatch, capsys):
     assert "started" not in out  # no child was started
 
 
-def test_the_launcher_itself_never_imports_torch():
+def test_the_launcher_itself_never_imports_torch(refused_launch):
     # the estimate runs in a child process; the launcher (alive as long as the fleet) stays small
-    script = ("import sys; from fleetserve import launch; from fleetserve.launch import memory; "
-              "memory.available_memory_bytes = lambda: 1 << 30; "
-              f"rc = launch.main({_argv('--max-total-tokens', '4096')!r}); "
-              "print(rc, 'torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip().splitlines()[-1] == "2 False", (done.stdout, done.stderr)
+    out, err = refused_launch
+    assert out.strip().splitlines()[-1] == "2 False", (out, err)
 
 
 def test_fleet_that_fits_gets_a_note():

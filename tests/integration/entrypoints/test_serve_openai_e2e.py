@@ -1,52 +1,28 @@
 """`fleetserve serve` on SmolLM2-135M, over HTTP, driven by the `openai` client.
 
-One real server (HTTP process + scheduler process) for the whole module, started
-as a subprocess on a free port with `--api-key` and a small body limit. Every
-request generates few tokens (CPU budget): greedy decoding makes the streamed
-and non-streamed outputs comparable token for token.
+The real server (HTTP process + scheduler process) is the entrypoint tests' shared
+``smollm2_server`` (``conftest.py`` here: `--api-key`, a small body limit, 4096-token
+context). Every request generates few tokens (CPU budget): greedy decoding makes the
+streamed and non-streamed outputs comparable token for token.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from helpers.serve_process import serve_process
+from helpers.smollm2_server import API_KEY, MAX_BODY, MAX_TOTAL_TOKENS
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "test-key"
-MAX_BODY = 100_000
-STARTUP_TIMEOUT = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
-def server():
-    port = _free_port()
-    # one intra-op thread: batch-1 decode is Python-bound, and spinning OpenMP threads suffer most on a shared CPU
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "fleetserve.cli", "serve", "--port", str(port), "--max-total-tokens", "2048",
-           "--api-key", API_KEY, "--max-request-bytes", str(MAX_BODY), "--log-level", "warning"]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fleetserve-serve-{port}.log"), "w+")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        with serve_process(cmd, base, log, env, STARTUP_TIMEOUT):
-            yield base
-    finally:
-        log.close()
+def server(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +45,7 @@ def test_models_and_info(client, http, model):
     assert model.startswith("SmolLM2-135M-Instruct")
     info = http.get("/get_model_info").json()
     assert info["vocab_size"] == 49152
-    assert info["context_length"] == 2048  # min(model context, --max-total-tokens)
+    assert info["context_length"] == MAX_TOTAL_TOKENS == 4096  # min(model context 8192, --max-total-tokens)
     assert http.get("/health_generate").status_code == 200
 
 
@@ -168,7 +144,7 @@ BAD = [
     ("unknown model", "/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
-    ("prompt+max_tokens beyond context", "/v1/completions", {"prompt": [1] * 2000, "max_tokens": 100}, 400),
+    ("prompt+max_tokens beyond context", "/v1/completions", {"prompt": [1] * (MAX_TOTAL_TOKENS - 96), "max_tokens": 100}, 400),
     ("token id = vocab", "/v1/completions", {"prompt": [1, 49152]}, 400),
     ("negative token id", "/v1/completions", {"prompt": [-3]}, 400),
     ("boolean token id", "/v1/completions", {"prompt": [False, 5]}, 400),

@@ -22,15 +22,36 @@ def _rank_children(pid: int) -> list[int]:
     return [c for c in out if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
 
 
-@pytest.mark.timeout(180)
-def test_rank_killed_mid_stream(tiny_llama_dir, tmp_path):
-    err_path = tmp_path / "stderr.txt"
-    err = open(err_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_llama_dir,
-                             "--port", "0", "--max-total-tokens", "4096", "--log-level", "info"],
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=err)
+@pytest.fixture(scope="module")
+def servers(tiny_llama_dir, tmp_path_factory):
+    """``{test name: (process, stderr path)}``: each test's own fresh server, both started at once so
+    that their start-ups overlap (the Ctrl-C one in its own session, as a terminal's job would be)."""
+    flags = {"killed": (["--max-total-tokens", "4096"], False), "ctrl_c": (["--max-total-tokens", "512"], True)}
+    out, files = {}, []
     try:
-        end, port = time.monotonic() + 120, None
+        for name, (extra, session) in flags.items():
+            err_path = tmp_path_factory.mktemp(f"rank_death_{name}") / "stderr.txt"
+            files.append(open(err_path, "w"))
+            proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_llama_dir,
+                                     "--port", "0", *extra, "--log-level", "info"],
+                                    env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                                    stderr=files[-1], start_new_session=session)
+            out[name] = (proc, err_path)
+        yield out
+    finally:
+        for f in files:
+            f.close()
+        for proc, _ in out.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.timeout(300)
+def test_rank_killed_mid_stream(servers):
+    proc, err_path = servers["killed"]
+    try:
+        end, port = time.monotonic() + 240, None  # both servers start together
         while port is None:
             assert proc.poll() is None, err_path.read_text()[-2000:]
             m = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+) ", err_path.read_text())
@@ -59,23 +80,17 @@ def test_rank_killed_mid_stream(tiny_llama_dir, tmp_path):
             rf"ERROR fleetserve.serve: scheduler process fleetserve-[\w-]+ \(pid {ranks[0]}\) exited with code -9 "
             r"\(SIGKILL\); stopping the server", lines[0]), lines
     finally:
-        err.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-@pytest.mark.timeout(180)
-def test_ctrl_c_stops_cleanly_without_a_traceback(tiny_llama_dir, tmp_path):
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_cleanly_without_a_traceback(servers):
     """Ctrl-C in a terminal: SIGINT to the whole process group (server and ranks)."""
-    err_path = tmp_path / "stderr.txt"
-    err = open(err_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_llama_dir,
-                             "--port", "0", "--max-total-tokens", "512", "--log-level", "info"],
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=err,
-                            start_new_session=True)
+    proc, err_path = servers["ctrl_c"]
     try:
-        end = time.monotonic() + 120
+        end = time.monotonic() + 240  # both servers start together
         while "serving " not in err_path.read_text():
             assert proc.poll() is None, err_path.read_text()[-2000:]
             assert time.monotonic() < end
@@ -92,7 +107,6 @@ def test_ctrl_c_stops_cleanly_without_a_traceback(tiny_llama_dir, tmp_path):
             time.sleep(0.1)
         assert not any(os.path.exists(f"/proc/{r}") for r in ranks)
     finally:
-        err.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

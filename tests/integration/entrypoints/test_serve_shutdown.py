@@ -45,16 +45,37 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_no_scheduler_left_after_stop(tiny_llama_dir, sig, tmp_path):
-    port = _free_port()
+SIGS = (signal.SIGTERM, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama_dir, tmp_path_factory):
+    """``{sig: (process, port, stderr file)}``: one fresh server per case of the test below, all
+    started at once so that their start-ups overlap (each case still stops its own server)."""
+    out = {}
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    err = open(tmp_path / "stderr.txt", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_llama_dir,
-                             "--port", str(port), "--max-total-tokens", "512", "--log-level", "warning"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
-        end = time.monotonic() + 120
+        for sig in SIGS:
+            port = _free_port()
+            err = open(tmp_path_factory.mktemp(f"shutdown_{sig.name}") / "stderr.txt", "w+")
+            proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", tiny_llama_dir,
+                                     "--port", str(port), "--max-total-tokens", "512", "--log-level", "warning"],
+                                    env=env, stdout=subprocess.DEVNULL, stderr=err)
+            out[sig] = (proc, port, err)
+        yield out
+    finally:
+        for proc, _, err in out.values():
+            err.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("sig", SIGS)
+def test_no_scheduler_left_after_stop(servers, sig):
+    proc, port, err = servers[sig]
+    try:
+        end = time.monotonic() + 240  # the cases' servers start together: on a busy machine, slowly
         while True:
             assert proc.poll() is None, "server exited during start-up"
             try:
@@ -62,7 +83,7 @@ def test_no_scheduler_left_after_stop(tiny_llama_dir, sig, tmp_path):
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < end, "server not healthy in 120 s"
+            assert time.monotonic() < end, "server not healthy in 240 s"
             time.sleep(0.3)
         r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
                        json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
@@ -77,7 +98,6 @@ def test_no_scheduler_left_after_stop(tiny_llama_dir, sig, tmp_path):
             err.seek(0)
             assert "leaked semaphore" not in err.read()
     finally:
-        err.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

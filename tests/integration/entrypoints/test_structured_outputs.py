@@ -1,6 +1,7 @@
 """Structured outputs through `fleetserve serve` on SmolLM2-135M, with the `openai` client.
 
-One real server (HTTP process + scheduler process) for the module. Outputs are checked
+The real server (HTTP process + scheduler process) is the entrypoint tests' shared
+``smollm2_server`` (``conftest.py`` here). Outputs are checked
 against their schema by hand (a small validator for the keywords used here: the
 ``jsonschema`` package is not a dependency), regex outputs with ``re.fullmatch``.
 """
@@ -8,21 +9,16 @@ against their schema by hand (a small validator for the keywords used here: the
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from helpers.serve_process import serve_process
+from helpers.smollm2_server import API_KEY
 
 pytestmark = pytest.mark.slow
-
-STARTUP_TIMEOUT = 240
 
 PERSON = {
     "type": "object",
@@ -70,35 +66,20 @@ def validate(value, schema, path="$"):
             validate(v, schema.get("items", {}), f"{path}[{i}]")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server():
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "fleetserve.cli", "serve", "--port", str(port), "--max-total-tokens", "4096",
-           "--log-level", "warning", "--tool-call-parser", "qwen25"]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fleetserve-structured-{port}.log"), "w+")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        with serve_process(cmd, base, log, env, STARTUP_TIMEOUT):
-            yield base
-    finally:
-        log.close()
+def server(smollm2_server):
+    """The entrypoint tests' shared SmolLM2 server (``conftest.py`` here), ``--tool-call-parser qwen25``."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=120, max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server, timeout=120) as c:
+    with httpx.Client(base_url=server, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
 
 

@@ -126,3 +126,32 @@ def module_procs():
         yield ps
     finally:
         ps.close()
+
+
+@pytest.fixture(scope="session")
+def session_procs():
+    """As :func:`procs`, for processes the whole session shares (the shared engines below)."""
+    ps = Procs()
+    try:
+        yield ps
+    finally:
+        ps.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_p16_engine(session_procs) -> tuple[str, subprocess.Popen]:
+    """``(url, process)`` of ONE real ``fleetserve serve`` (built-in SmolLM2, ``--max-total-tokens
+    4096 --page-size 16``, KV events on ZMQ with a replay endpoint), started on first use and shared
+    by the router tests that need "a real engine" and never stop it
+    (``test_router_kv_aware_publishers_e2e.py``, ``test_router_migration_engine_e2e.py``'s B): a start
+    costs about 20 s of CPU. Tests run one at a time and wait for its load to return to zero."""
+    import json
+
+    from helpers.kv_events_sub import free_port_block
+
+    ev = free_port_block(2)
+    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"}
+    url, p = session_procs.spawn_engine("--max-total-tokens", "4096", "--page-size", "16",
+                                        "--kv-events-config", json.dumps(cfg))
+    session_procs.wait_engine(url, p, timeout=400)
+    return url, p

@@ -123,18 +123,16 @@ def test_routing_follows_our_sim_workers_events_and_predicts_their_cached_tokens
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs):
-    """A real engine (built-in model, ``--page-size 16``) beside a sim-worker: a chat prefix cached on the
-    engine by a direct request sends the routed chat there, and the router's tokenization (the chat
-    template) predicts exactly the engine's ``usage.prompt_tokens_details.cached_tokens``."""
+def test_kv_aware_in_front_of_fleetserve_serve_with_page_size_16(procs, smollm2_p16_engine):
+    """A real engine (built-in model, ``--page-size 16``: the router tests' shared ``smollm2_p16_engine``)
+    beside a sim-worker: a chat prefix cached on the engine by a direct request sends the routed chat
+    there, and the router's tokenization (the chat template) predicts exactly the engine's
+    ``usage.prompt_tokens_details.cached_tokens``."""
     from fleetserve.models.tokenizer import tokenizer_dir
 
-    # the sim-worker first: started while the engine loads its model, it can miss its 20 s on a busy machine
+    engine, _ = smollm2_p16_engine  # loaded before the sim-worker starts (its 20 s start-up window)
+    assert json.loads(get(engine + "/get_server_info"))["page_size"] == PAGE
     (sim,) = sim_workers(procs, 1)
-    ev = free_port_block(2)
-    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"}
-    engine, _ = procs.engine("--max-total-tokens", "4096", "--page-size", str(PAGE),
-                             "--kv-events-config", json.dumps(cfg))
     path = tokenizer_dir()
     # the engine-loads correction stays on (default interval, 1 s)
     router, _ = procs.router([sim, engine], "--policy", "kv_aware", "--kv-speculative-ttl-secs", "0",

@@ -1,7 +1,8 @@
 """The router in front of real ``fleetserve serve`` instances (SmolLM2-135M, CPU), and request
 migration on them: kill the serving instance mid-stream.
 
-Two instances A and B of the default model, started once for the module.  First, a
+Two instances A and B of the default model (``--page-size 16``): B is the router tests' shared
+engine, A this module's own.  First, a
 ``cache_aware`` router in front of B alone answers as B does, streams, and passes B's 4xx through.
 Then A and B behind a round-robin router (greedy): a chat
 stream and a ``/generate`` stream on ``input_ids`` both go to A (round robin: stream, a one-token
@@ -65,12 +66,14 @@ class _Stream:
 
 
 @pytest.fixture(scope="module")
-def engines(module_procs):
-    """``[(url, process)]`` of A and B, both healthy."""
-    pair = [module_procs.spawn_engine("--max-total-tokens", "4096") for _ in range(2)]
-    for url, p in pair:
-        module_procs.wait_engine(url, p, timeout=400)
-    return pair
+def engines(module_procs, request):
+    """``[(url, process)]`` of A and B, both healthy. B is the router tests' shared
+    ``smollm2_p16_engine`` (never killed here); A, the one killed, is this module's own, with
+    B's flags but KV events (``--max-total-tokens 4096 --page-size 16``), started while B loads."""
+    a = module_procs.spawn_engine("--max-total-tokens", "4096", "--page-size", "16")
+    b = request.getfixturevalue("smollm2_p16_engine")
+    module_procs.wait_engine(*a, timeout=400)
+    return [a, b]
 
 
 @pytest.mark.slow
