@@ -24,6 +24,12 @@ multi_turn with synthetic replies is made open loop by dropping the ``after`` li
 (:func:`open_loop`): the history is fixed in advance, so turn t + 1 may arrive before
 turn t has finished (it then misses the cache the earlier turn would have left).
 
+Turn-major multi_turn (every first turn, then every second turn, ...) is not a steady
+stream: the first quarter is all misses. ``--mt-stagger G`` (:func:`stagger`) interleaves
+the conversations instead (conversation c's turn t in arrival slot c + t x G), so every
+stretch of the window holds the same mix of turns and a rate over capacity stays over it.
+``--repeats N`` runs every (rate, router) cell of the table N times, interleaved.
+
 A backlog over capacity grows linearly with the arrival window, so its p90 depends on
 the run length: the table states the window (model seconds) of every rate.
 """
