@@ -24,6 +24,12 @@ multi_turn with synthetic replies is made open loop by dropping the ``after`` li
 (:func:`open_loop`): the history is fixed in advance, so turn t + 1 may arrive before
 turn t has finished (it then misses the cache the earlier turn would have left).
 
+Turn-major multi_turn (every first turn, then every second turn, ...) is not a steady
+stream: the first quarter is all misses. ``--mt-stagger G`` (:func:`stagger`) interleaves
+the conversations instead (conversation c's turn t in arrival slot c + t x G), so every
+stretch of the window holds the same mix of turns and a rate over capacity stays over it.
+``--repeats N`` runs every (rate, router) cell of the table N times, interleaved.
+
 A backlog over capacity grows linearly with the arrival window, so its p90 depends on
 the run length: the table states the window (model seconds) of every rate.
 """
@@ -54,6 +60,35 @@ def open_loop(reqs: Sequence) -> list:
                              "(use --multi-turn-replies synthetic)")
         out.append(dataclasses.replace(r, after=None))
     return out
+
+
+def stagger(reqs: Sequence, gap: int) -> list:
+    """multi_turn requests reordered so that conversations overlap in a steady stream.
+
+    Conversation ``c``'s turn ``t`` goes to slot ``c + t * gap`` (slots in order; within a slot,
+    later turns first). ``gap`` slots pass between two turns of a conversation, so about
+    ``turns * gap`` requests arrive between them and about ``turns * gap`` conversations are
+    live at once. After a ramp of ``(turns - 1) * gap`` slots every slot holds one request of
+    each turn, so the mix (first turns, which miss for every router, and later turns) stays the
+    same over the arrival window: a rate over capacity then stays over it, which the turn-major
+    order (every first turn, then every second turn, ...) does not give. ``gap`` 0: unchanged.
+
+    Needs ``meta["turn"]`` and ``group`` ``"c<i>"`` (:func:`fleetserve.bench.workloads.multi_turn`).
+
+    Raises:
+        ValueError: ``gap`` < 0, or a request without a turn.
+    """
+    if gap < 0:
+        raise ValueError(f"--mt-stagger must be >= 0, got {gap}")
+    if gap == 0:
+        return list(reqs)
+    def key(r) -> tuple[int, int]:
+        t = r.meta.get("turn") if getattr(r, "meta", None) else None
+        if t is None or not str(r.group).startswith("c"):
+            raise ValueError(f"request {r.rid} is not a multi_turn turn: cannot stagger")
+        return int(str(r.group)[1:]) + t * gap, -t
+
+    return sorted(reqs, key=key)
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -149,7 +184,8 @@ def bisect_rates(probes: dict[str, Callable[[float], bool]], lo: float, hi: floa
 
 def choose_rates(caps: Sequence[float], between: int = 2, below: float = 0.7, above: float = 1.3) -> list[float]:
     """Rates for the table: ``below x`` the lowest capacity, ``between`` points spaced
-    geometrically strictly inside (lowest, highest), ``above x`` the highest. Sorted.
+    geometrically strictly inside (lowest, highest), ``above x`` the highest (none when
+    ``above`` is 0). Sorted.
 
     Raises:
         ValueError: no capacity, or one <= 0.
@@ -159,7 +195,8 @@ def choose_rates(caps: Sequence[float], between: int = 2, below: float = 0.7, ab
     lo, hi = min(caps), max(caps)
     out = [lo * below]
     out += [lo * (hi / lo) ** ((i + 1) / (between + 1)) for i in range(between)] if hi > lo else []
-    out.append(hi * above)
+    if above > 0:
+        out.append(hi * above)
     return sorted(out)
 
 
@@ -196,6 +233,10 @@ def rate_part(a: argparse.Namespace) -> None:
     have_peer = Path(a.peer_python).exists() and not a.no_peer
     if len(a.scenarios) != 1:
         raise SystemExit("kv --rates: give exactly one --scenarios")
+    if a.repeats < 1:
+        raise SystemExit(f"kv --rates: --repeats must be >= 1, got {a.repeats}")
+    if a.mt_stagger < 0:
+        raise SystemExit(f"kv --rates: --mt-stagger must be >= 0, got {a.mt_stagger}")
     name = a.scenarios[0]
     if a.rates == ["render"]:  # rewrite the doc section from the results file of an earlier run
         write_rate_doc(a, json.loads((RESULTS / f"{a.section}.json").read_text()))
@@ -242,7 +283,10 @@ def rate_part(a: argparse.Namespace) -> None:
         bargs0 = bench_cli.build_parser().parse_args(
             [*rk.workload_argv(wname, a), "--seed", str(a.seed), "--time-scale", str(a.time_scale)])
         reqs0 = open_loop(bench_cli.workload_from_args(bargs0))
+        if wname == "multi_turn":
+            reqs0 = stagger(reqs0, a.mt_stagger)
         res["requests"] = len(reqs0)
+        res["stagger"] = a.mt_stagger if wname == "multi_turn" else 0
         print(f"== rate experiment {name}: {n} workers, {wname}, {len(reqs0)} requests, {nrep} router(s), "
               f"direct share {share:g}, KV {a.max_total_tokens} tokens per worker, k = {a.time_scale:g}; "
               f"routers {[r[0] for r in rows_def]}", flush=True)
@@ -270,17 +314,19 @@ def rate_part(a: argparse.Namespace) -> None:
                     raise SystemExit(f"no capacity found for {lbl} in [{a.rate_lo}, {a.rate_hi}]")
                 caps[lbl] = c
             res["capacities"] = caps
-            rates = choose_rates(list(caps.values()), between=a.between)
+            rates = choose_rates(list(caps.values()), between=a.between, below=a.rate_below, above=a.rate_above)
         else:
             rates = sorted(float(x) for x in a.rates)
         res["rates"] = rates
         save()
         print(f"== table rates {[round(r, 1) for r in rates]} (capacities {caps})", flush=True)
-        for i, rate in enumerate(rates):
+        cells = [(rate, rep) for rate in rates for rep in range(a.repeats)]
+        for i, (rate, rep) in enumerate(cells):  # the order of the routers alternates from cell to cell
             order = rows_def if i % 2 == 0 else list(reversed(rows_def))
             for lbl, kind, fl in order:
                 s = run(lbl, kind, fl, rate)
                 s.pop("requests", None)
+                s["rep"] = rep
                 res["rows"].append(s)
                 save()
     finally:
@@ -292,7 +338,7 @@ def rate_part(a: argparse.Namespace) -> None:
 
 def rate_table(res: dict) -> str:
     """Markdown: one row per (rate, router), in rate order, with kv_aware's p90 over cache_aware's."""
-    head = ("| rate (req/s) | window (s) | router | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
+    head = ("| rate (req/s) | run | window (s) | router | hit rate | bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
             "p90 / cache_aware's | req/s | backlog mid / end / peak | workers waiting max | busy | "
             "failed | sim late | load avg |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -301,14 +347,17 @@ def rate_table(res: dict) -> str:
         by_rate.setdefault(r["rate"], []).append(r)
     for rate in sorted(by_rate):
         rows = by_rate[rate]
-        ref = next((r for r in rows if r["label"] == "cache_aware (ours)"), None)
-        for r in sorted(rows, key=lambda r: r["label"]):
+        for r in sorted(rows, key=lambda r: (r.get("rep", 0), r["label"])):
+            ref = next((x for x in rows if x["label"] == "cache_aware (ours)" and x.get("rep", 0) == r.get("rep", 0)),
+                       None)  # the same repeat's cache_aware row
             q = r["queue"]
+            bound = f"{r['bound_hit_rate']:.1%}" if "bound_hit_rate" in r else "-"
             ratio = (f"{r['ttft_p90_s'] / ref['ttft_p90_s']:.2f}x"
                      if ref and ref.get("ttft_p90_s") and r.get("ttft_p90_s") else "-")
             p90 = f"{r['ttft_p90_s'] * 1e3:.0f}" if r.get("ttft_p90_s") else "-"
             out.append(
-                f"| {rate:.1f} | {q['window_s']:.1f} | {r['label']} | {r['cache_hit_rate']:.1%} | "
+                f"| {rate:.1f} | {r.get('rep', 0) + 1} | {q['window_s']:.1f} | {r['label']} | {r['cache_hit_rate']:.1%} | "
+                f"{bound} | "
                 f"{r['ttft_s']['p50'] * 1e3:.0f} | {p90} | {r['ttft_s']['p99'] * 1e3:.0f} | {ratio} | "
                 f"{r['request_throughput']:.1f} | {q['mid']} / {q['end']} / {q['peak']} | "
                 f"{r.get('worker_waiting_max', '-')} | {r.get('utilisation', 0):.0%} | {r['failed']} | "
@@ -339,8 +388,13 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
     hi = max(x[0] for x in res["loads"] + [r["loadavg_end"] for r in res["rows"]])
     wl = (f"shared_prefix {a.groups} groups x {a.prompts_per_group} prompts (system {a.system_len} + question "
           f"{a.question_len} tokens)" if res["workload"] == "shared_prefix" else
-          f"multi_turn {a.conversations} conversations x {a.turns} turns, synthetic answers, open loop (a turn "
-          "does not wait for the previous answer)")
+          f"multi_turn {a.conversations} conversations x {a.turns} turns"
+          + (f" (a {a.mt_system_len}-token system prompt of each conversation's own)" if a.mt_system_len else "")
+          + f", {a.question_len}-token user turns, synthetic answers, open loop (a turn does not wait for the "
+          "previous answer)"
+          + (f", staggered (`--mt-stagger {res['stagger']}`: conversation c's turn t in arrival slot c + t x "
+             f"{res['stagger']}, so every stretch of the stream holds all turns alike)" if res.get("stagger") else
+             ", turn-major (every first turn, then every second turn, ...)"))
     body = [
         f"Simulated workers: {res['workers']} `fleetserve sim-worker`s (profile `h100-llama8b`, `--page-size "
         f"{rk.PAGE}`, `--tokenizer smollm2`, KV pool `--max-total-tokens {a.max_total_tokens}` per worker, "
@@ -389,4 +443,12 @@ def add_arguments(k: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-hi", type=float, default=160.0, help="search: first high probe (req/s, fleet)")
     g.add_argument("--search-steps", type=int, default=3, help="search: bisection steps per router")
     g.add_argument("--between", type=int, default=2, help="table rates strictly between the capacities")
+    g.add_argument("--rate-below", type=float, default=0.7,
+                   help="search: the table's lowest rate, this times the lower capacity")
+    g.add_argument("--rate-above", type=float, default=1.3,
+                   help="search: the table's highest rate, this times the higher capacity (0: none above)")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="table: runs of every (rate, router) cell, interleaved (the router order alternates)")
+    g.add_argument("--mt-stagger", type=int, default=0,
+                   help="multi_turn: conversation c's turn t in arrival slot c + t x this (0: turn-major); see stagger()")
     g.add_argument("--watch-every", type=float, default=2.0, help="seconds between polls of the workers' queues")

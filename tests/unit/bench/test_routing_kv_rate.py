@@ -101,7 +101,49 @@ def test_choose_rates_below_between_above(rr):
     assert 80.0 < r[1] < r[2] < 100.0
     assert r[1] == pytest.approx(80.0 * 1.25 ** (1 / 3))
     assert rr.choose_rates([90.0, 90.0]) == pytest.approx([63.0, 117.0])  # nothing strictly between
+    assert rr.choose_rates([80.0, 100.0], between=1, below=0.9, above=0) == pytest.approx([72.0, 89.4427191])
     with pytest.raises(ValueError):
         rr.choose_rates([0.0, 10.0])
     assert rr.capacity_point((64.0, 100.0)) == pytest.approx(80.0)
     assert rr.capacity_point((None, 15.0)) == 15.0
+
+
+def test_stagger_puts_turn_t_of_conversation_c_in_slot_c_plus_t_gap(rr):
+    reqs = rr.open_loop(workloads.multi_turn(num_conversations=6, num_turns=3, question_len=2, output_len=2,
+                                             replies="synthetic"))
+    st = rr.stagger(reqs, 2)
+    assert sorted(r.rid for r in st) == sorted(r.rid for r in reqs)  # a permutation
+    assert [r.rid for r in st[:8]] == ["c0-t0", "c1-t0", "c0-t1", "c2-t0", "c1-t1", "c3-t0",
+                                       "c0-t2", "c2-t1"]  # slot 4: c0-t2 before c2-t1 before c4-t0
+    pos = {r.rid: i for i, r in enumerate(st)}
+    assert all(pos[f"c{c}-t{t}"] < pos[f"c{c}-t{t + 1}"] for c in range(6) for t in range(2))
+    # after the ramp, every window of one slot holds one request of each turn
+    assert [sorted(r.meta["turn"] for r in st[i:i + 3]) for i in (6, 9)] == [[0, 1, 2]] * 2  # slots 4, 5
+    assert [r.rid for r in rr.stagger(reqs, 0)] == [r.rid for r in reqs]  # 0: turn-major as generated
+    with pytest.raises(ValueError, match=">= 0"):
+        rr.stagger(reqs, -1)
+    with pytest.raises(ValueError, match="g0-p0"):
+        rr.stagger([r for r in workloads.shared_prefix(1, 2, 4, 2, 2) if r.rid == "g0-p0"], 2)
+
+
+def _row(label, rate, rep, p90, hit=0.5):
+    q = {"window_s": 4.0, "mid": 1, "end": 2, "peak": 3, "growth": 1}
+    return {"label": label, "rate": rate, "rep": rep, "queue": q, "cache_hit_rate": hit, "bound_hit_rate": 0.7,
+            "ttft_s": {"p50": 0.01, "p99": 0.5}, "ttft_p90_s": p90, "request_throughput": 50.0,
+            "worker_waiting_max": 4, "utilisation": 0.9, "failed": 0, "sim_late_share": 0.02,
+            "loadavg_end": [3.0, 2.0, 1.0]}
+
+
+def test_rate_table_pairs_each_repeat_with_its_own_cache_aware_row(rr):
+    rows = [_row("cache_aware (ours)", 60.0, 0, 1.0), _row("kv_aware", 60.0, 0, 0.1, 0.68),
+            _row("kv_aware", 60.0, 1, 0.3), _row("cache_aware (ours)", 60.0, 1, 2.0)]
+    lines = rr.rate_table({"rows": rows}).splitlines()
+    assert "| run |" in lines[0] and "| bound |" in lines[0]
+    body = lines[2:]
+    assert [ln.split(" | ")[1] for ln in body] == ["1", "1", "2", "2"]  # repeat 1's rows, then repeat 2's
+    kv1, kv2 = body[1].split(" | "), body[3].split(" | ")
+    assert kv1[3:6] == ["kv_aware", "68.0%", "70.0%"] and kv1[9] == "0.10x"  # 0.1 / 1.0 of its own repeat
+    assert kv2[9] == "0.15x"  # 0.3 / 2.0, not over repeat 1's cache_aware
+    old = _row("kv_aware", 60.0, 0, 0.1)
+    del old["rep"], old["bound_hit_rate"]  # a results file from before the columns: still renders
+    assert " | - | " in rr.rate_table({"rows": [old]}).splitlines()[2]
