@@ -209,3 +209,15 @@ def test_every_launch_flag_has_a_help_text():
 
     bare = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and not a.help]
     assert bare == []
+
+
+@pytest.mark.parametrize("host,line", [
+    ("bad host", "--host 'bad host': 'bad host' is not a host name or IP address"),
+    ("", "--host '': no host"),
+    ("::1", "--host '::1': launch takes a host name or an IPv4 address, not an IPv6 address"),
+])
+def test_a_bad_host_is_launchs_own_flag_not_the_routers(monkeypatch, capsys, host, line):
+    """The instances' and the router's URLs are made from --host, so a bad one is named as --host
+    (it used to reach the router's flag check first and be blamed on --router-args)."""
+    code, _, err, lau, _ = _launch(monkeypatch, capsys, ["--host", host])
+    assert (code, err, lau) == (2, f"fleetserve launch: {line}", None)

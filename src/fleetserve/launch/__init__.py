@@ -404,6 +404,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleetserve launch: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
     bad = port_range_error("--port", args.port, allow_zero=True)
+    if not bad and port_range_error("--worker-base-port", args.worker_base_port, args.workers):
+        # launch's own flag, named before the router's check sees the worker URLs made from it
+        bad = f"{port_range_error('--worker-base-port', args.worker_base_port, args.workers)} (--workers {args.workers})"
+    if not bad:  # the instances' and the router's URLs are made from --host: a bad one is launch's flag
+        from fleetserve.router.workers import normalize_url
+
+        if ":" in args.host:
+            bad = f"--host {args.host!r}: launch takes a host name or an IPv4 address, not an IPv6 address"
+        else:
+            try:
+                normalize_url(f"http://{args.host}:{args.worker_base_port}")
+            except ValueError as e:
+                bad = f"--host {args.host!r}: {str(e).split(': ', 1)[-1]}"
     try:
         shlex.split(args.router_args)
     except ValueError as e:  # e.g. an unclosed quote
