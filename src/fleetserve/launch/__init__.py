@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -148,6 +149,20 @@ def pick_router_port(host: str, avoid: range) -> int:
         if port not in avoid:
             return port
     raise OSError(f"no free port outside {avoid.start}..{avoid.stop - 1}")
+
+
+_HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")  # the router's rule for a worker URL's host
+
+
+def host_error(host: str) -> str | None:
+    """One line naming ``--host`` when it cannot go into the instances' and the router's URLs, else None."""
+    if not host:
+        return "--host '': no host"
+    if ":" in host:
+        return f"--host {host!r}: launch takes a host name or an IPv4 address, not an IPv6 address"
+    if not _HOST_NAME.match(host):
+        return f"--host {host!r}: {host!r} is not a host name or IP address"
+    return None
 
 
 def check_ports(args: argparse.Namespace) -> str | None:
@@ -408,15 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         # launch's own flag, named before the router's check sees the worker URLs made from it
         bad = f"{port_range_error('--worker-base-port', args.worker_base_port, args.workers)} (--workers {args.workers})"
     if not bad:  # the instances' and the router's URLs are made from --host: a bad one is launch's flag
-        from fleetserve.router.workers import normalize_url
-
-        if ":" in args.host:
-            bad = f"--host {args.host!r}: launch takes a host name or an IPv4 address, not an IPv6 address"
-        else:
-            try:
-                normalize_url(f"http://{args.host}:{args.worker_base_port}")
-            except ValueError as e:
-                bad = f"--host {args.host!r}: {str(e).split(': ', 1)[-1]}"
+        bad = host_error(args.host)
     try:
         shlex.split(args.router_args)
     except ValueError as e:  # e.g. an unclosed quote
