@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compile_throughput import GemmSwitch, decode_batch  # noqa: E402
+from compile_throughput import decode_batch, install_gemm_switches  # noqa: E402
 
 #: Inductor option sets a ``--options`` name stands for.
 OPTION_SETS: dict[str, dict[str, object]] = {
@@ -85,19 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     import fleetserve.engine.compiled_decode_runner as cdr
     from fleetserve.engine.cuda_graph_runner import default_seq_len_buckets
     from fleetserve.engine.model_runner import ModelRunner
-    from fleetserve.layers.quantization import apply_quantization
 
     quants = a.quantization.split(",")
     runner = ModelRunner(None, dtype="float32", max_total_tokens=4096, show_progress=False)
-    layers = [m for m in runner.model.modules() if hasattr(m, "_gemm")]
-    gemms = {"none": [m._gemm for m in layers]}
-    for q in quants:
-        if q != "none":
-            apply_quantization(runner.model, q, "cpu")
-            gemms[q] = [m._gemm for m in layers]
-    switches = [GemmSwitch(g) for g in gemms["none"]]
-    for m, sw in zip(layers, switches):
-        m._gemm = sw
+    gemms, switches = install_gemm_switches(runner.model, quants)
 
     compiled: dict[str, object] = {}
     compile_s: dict[str, float] = {}

@@ -55,6 +55,27 @@ class GemmSwitch:
         return self.impl(x, weight, bias)
 
 
+def install_gemm_switches(model, quants) -> tuple[dict[str, list], list[GemmSwitch]]:
+    """Quantize ``model`` once per mode in ``quants`` and give every linear one :class:`GemmSwitch`.
+
+    Returns ``(gemms, switches)``: ``gemms[mode]`` is the list of every linear's gemm under that
+    mode ("none" = float32), in module order; ``switches`` the per-linear switches, set to "none".
+    Each layer's ``_gemm`` is set once, before compiling, to a switch the variants flip: setting a
+    module attribute after compiling could invalidate dynamo's guards on the module (a recompile)."""
+    from fleetserve.layers.quantization import apply_quantization
+
+    layers = [m for m in model.modules() if hasattr(m, "_gemm")]
+    gemms = {"none": [m._gemm for m in layers]}
+    for q in quants:
+        if q != "none":
+            apply_quantization(model, q, "cpu")
+            gemms[q] = [m._gemm for m in layers]
+    switches = [GemmSwitch(g) for g in gemms["none"]]
+    for m, sw in zip(layers, switches):
+        m._gemm = sw
+    return gemms, switches
+
+
 def decode_batch(runner, bs: int, ctx: int = 64):
     """Allocate ``bs`` requests of ``ctx`` cached tokens and return (DECODE ForwardBatch, slots to free)."""
     from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
@@ -110,24 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     from fleetserve.engine.cuda_graph_runner import default_seq_len_buckets
     from fleetserve.engine.model_runner import ModelRunner
     from fleetserve.engine.rank_builder import build_rank
-    from fleetserve.layers.quantization import apply_quantization
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer
 
     path = default_model_path()
     t0 = time.perf_counter()
     runner = ModelRunner(path, dtype="float32", max_total_tokens=16384, show_progress=False)
-    layers = [m for m in runner.model.modules() if hasattr(m, "_gemm")]
-    gemms = {"none": [m._gemm for m in layers]}
-    for q in quants:
-        if q != "none":
-            apply_quantization(runner.model, q, "cpu")
-            gemms[q] = [m._gemm for m in layers]
-    # Set each layer's _gemm once, before compiling, to a switch the variants flip: setting a module
-    # attribute after compiling could invalidate dynamo's guards on the module (a recompile).
-    switches = [GemmSwitch(g) for g in gemms["none"]]
-    for m, sw in zip(layers, switches):
-        m._gemm = sw
+    gemms, switches = install_gemm_switches(runner.model, quants)
     runner._init_compiled_runner(buckets, default_seq_len_buckets(runner.max_context_len))
     compile_s = time.perf_counter() - t0
     compiled_runner = runner.graph_runner

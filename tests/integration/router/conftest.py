@@ -109,8 +109,7 @@ class Procs:
             p.log.close()
 
 
-@pytest.fixture
-def procs():
+def _procs():
     ps = Procs()
     try:
         yield ps
@@ -118,24 +117,12 @@ def procs():
         ps.close()
 
 
-@pytest.fixture(scope="module")
-def module_procs():
-    """As :func:`procs`, for processes a whole test module shares (e.g. real engines, slow to start)."""
-    ps = Procs()
-    try:
-        yield ps
-    finally:
-        ps.close()
-
-
-@pytest.fixture(scope="session")
-def session_procs():
-    """As :func:`procs`, for processes the whole session shares (the shared engines below)."""
-    ps = Procs()
-    try:
-        yield ps
-    finally:
-        ps.close()
+procs = pytest.fixture(_procs, name="procs")
+procs.__doc__ = "Processes one test starts, stopped when it ends."
+#: As ``procs``, for processes a whole test module shares (e.g. real engines, slow to start).
+module_procs = pytest.fixture(_procs, scope="module", name="module_procs")
+#: As ``procs``, for processes the whole session shares (the shared engines below).
+session_procs = pytest.fixture(_procs, scope="session", name="session_procs")
 
 
 @pytest.fixture(scope="session")
