@@ -29,6 +29,7 @@ Bad input: the body and its sampling values go through the engine's own checks
 (:func:`fleetserve.entrypoints.request_parse.parse_model` with the engine's pydantic request
 models, then :mod:`fleetserve.entrypoints.validation`), so a bad value gets the engine's 400
 (same message and ``param``); the values are checked, not applied (the output is synthetic).
+A ``model`` other than ``--model-name`` gets the engine's 404 ``model_not_found``.
 
 Worker identity: every response carries the header ``X-Fleetserve-Worker`` and
 a top-level ``"worker_id"`` field (in the usage chunk when streaming), so the
@@ -54,7 +55,7 @@ from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
 from fleetserve.bench.sim_tokenizer import make_tokenizer
 from fleetserve.engine.kv_events.config import parse_kv_events_config
 from fleetserve.engine.kv_events.publisher import make_publisher
-from fleetserve.entrypoints.errors import APIError
+from fleetserve.entrypoints.errors import APIError, model_not_found
 from fleetserve.entrypoints.load_view import (
     LoadsQueryError, legacy_load, loads_body, loads_prometheus, parse_loads_query, select_ranks,
 )
@@ -238,10 +239,16 @@ class SimWorker:
         return SimRequest(rid=uuid.uuid4().hex, input_ids=input_ids, max_new_tokens=max_new, output_ids=out_ids,
                           output_pieces=pieces, stream_interval=self.stream_interval)
 
+    def _check_model(self, name: str | None) -> None:
+        """No name or ``--model-name``; else the engine's 404 ``model_not_found`` (APIError)."""
+        if name is not None and name != self.model_name:
+            raise model_not_found(name, self.model_name)
+
     async def completions(self, req: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(req)
             request = parse_model(CompletionRequest, body)  # the engine's body checks: its errors
+            self._check_model(request.model)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
@@ -266,6 +273,7 @@ class SimWorker:
         try:
             body = await self._body(req)
             request = parse_model(ChatCompletionRequest, body)  # the engine's body checks: its errors
+            self._check_model(request.model)
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str)
