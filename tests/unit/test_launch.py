@@ -221,3 +221,22 @@ def test_a_bad_host_is_launchs_own_flag_not_the_routers(monkeypatch, capsys, hos
     (it used to reach the router's flag check first and be blamed on --router-args)."""
     code, _, err, lau, _ = _launch(monkeypatch, capsys, ["--host", host])
     assert (code, err, lau) == (2, f"fleetserve launch: {line}", None)
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--dp-size", "0"], "--dp-size must be >= 1, got 0"),
+    (["--dp-size", "two"], "fleetserve sim-worker: error: argument --dp-size: invalid int value: 'two'"),
+    (["--tokenizer", "bpe"], "fleetserve sim-worker: error: argument --tokenizer: invalid choice: 'bpe' "),
+    (["--max-total-tokens", "0"], "--max-total-tokens must be > 0, got 0"),
+    (["--page-size", "3"], "--page-size (3) must divide --chunked-prefill-size "),
+    (["--max-total-tokns", "9"], "fleetserve sim-worker: error: unrecognized arguments: --max-total-tokns 9"),
+])
+def test_sim_instance_flags_are_checked_before_any_instance_starts(monkeypatch, capsys, flags, line):
+    """--worker-kind sim used to start every instance with a bad flag and let each one die; now
+    the sim-worker's own parser and checks refuse it first, in one line (in the launcher's process:
+    they import no torch)."""
+    code, _, err, lau, _ = _launch(monkeypatch, capsys, flags)
+    assert (code, lau) == (2, None)
+    assert "\n" not in err and err.startswith(f"fleetserve launch: {line}"), err
+    code, _, err, lau, _ = _launch(monkeypatch, capsys, ["--stream-interval", "4", "--dp-size", "2"])
+    assert (code, err) == (0, "") and lau is not None

@@ -51,6 +51,7 @@ from typing import Any
 from aiohttp import web
 
 from fleetserve.bench import timing_model
+from fleetserve.bench.sim_args import build_parser, check_args
 from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
 from fleetserve.bench.sim_tokenizer import make_tokenizer
 from fleetserve.engine.kv_events.config import parse_kv_events_config
@@ -458,32 +459,6 @@ class _Tagged:
         self.queue.put_nowait((self.choice, *event))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fleetserve sim-worker", description=__doc__.split("\n\n")[0].replace("``", ""),
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=31000,
-                   help="port of the first worker; 0 (with --num-workers 1): pick a free port, printed at start")
-    p.add_argument("--num-workers", type=int, default=1, help="workers hosted by this process, on consecutive ports")
-    p.add_argument("--model-name", default="sim-llama-8b", help="model id reported by /v1/models and responses")
-    p.add_argument("--tokenizer", choices=("word", "smollm2"), default="word",
-                   help="word: one token per word (fast); smollm2: the real tokenizer (slow to load)")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="decode steps between streamed chunks (SGLang's --stream-interval); the first token is "
-                        "always sent at once")
-    p.add_argument("--kv-events-config", default=None,
-                   help="publish KV-cache events as vLLM/SGLang do (JSON, see docs/kv_events.md); rank r of "
-                        "worker i uses the endpoint ports + i * dp_size + r, data_parallel_rank r")
-    p.add_argument("--dp-size", type=int, default=1,
-                   help="DP-attention ranks per worker (SGLang's --dp-size), each with its own radix cache and "
-                        "KV pool; a request names its rank with routed_dp_rank or X-data-parallel-rank, else "
-                        "the ranks take turns")
-    p.add_argument("--access-log", action="store_true",
-                   help="log one line per HTTP request (aiohttp's access log, to stderr); off by default")
-    timing_model.add_arguments(p)
-    return p
-
-
 def _access_logger(enabled: bool):
     """aiohttp's ``aiohttp.access`` logger writing to stderr at INFO, or None (no access log)."""
     if not enabled:
@@ -550,15 +525,9 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for flag, value in (("--num-workers", args.num_workers), ("--stream-interval", args.stream_interval),
-                        ("--dp-size", args.dp_size)):
-        if value < 1:
-            print(f"sim-worker: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
-    try:
-        parse_kv_events_config(args.kv_events_config)
-    except ValueError as e:
-        print(f"sim-worker: {e}", file=sys.stderr)
+    bad = check_args(args)
+    if bad:
+        print(f"sim-worker: {bad}", file=sys.stderr)
         return 2
     bad = port_range_error("--port", args.port, args.num_workers, allow_zero=True)
     if bad:

@@ -35,7 +35,8 @@ Life cycle:
 
 Before step 1, the instances' memory is estimated (``launch/memory.py``: weights + KV pool +
 measured overhead) and a fleet that would not fit in ``MemAvailable`` is refused with one line
-(``--skip-memory-check`` starts it anyway).
+(``--skip-memory-check`` starts it anyway); the instance flags are checked first, for every
+``--worker-kind`` and with ``--skip-memory-check`` too: one line naming the bad flag, exit code 2.
 
 Output: every child writes to a pipe and each of its lines is printed here as ``[name] line``
 (``launch/output.py``); ``--log-dir DIR`` also appends them, unprefixed, to ``DIR/<name>.log``.
