@@ -240,3 +240,30 @@ def test_sim_instance_flags_are_checked_before_any_instance_starts(monkeypatch, 
     assert "\n" not in err and err.startswith(f"fleetserve launch: {line}"), err
     code, _, err, lau, _ = _launch(monkeypatch, capsys, ["--stream-interval", "4", "--dp-size", "2"])
     assert (code, err) == (0, "") and lau is not None
+
+
+def test_a_long_start_up_says_who_it_still_waits_for(monkeypatch, capsys):
+    """No long silence while instances load: a line on stderr every PROGRESS_EVERY_S names the
+    instances that do not answer /health yet."""
+    import sys
+    import time
+
+    from helpers.kv_events_sub import free_port_block
+
+    base = free_port_block(1)
+    args = launch.build_parser().parse_args(["--worker-kind", "sim", "--workers", "1", "--worker-base-port", str(base),
+                                      "--startup-timeout", "1"])
+    lau = launch.Launcher(args, [])
+    w = lau.workers[0]
+    w.cmd = [sys.executable, "-c", "import time; time.sleep(5)"]  # alive, never healthy
+    monkeypatch.setattr(launch, "PROGRESS_EVERY_S", 0.3)
+    w.start()
+    try:
+        assert lau._wait_healthy([w], time.monotonic() + 1.0) is False
+    finally:
+        w.signal_group(9)
+        w.proc.wait(5)
+    out, err = capsys.readouterr()
+    notes = [line for line in err.splitlines() if line.startswith("[launch] still waiting for worker0 to answer /health (")]
+    assert len(notes) >= 2 and notes[0].endswith(" s; --startup-timeout 1)"), err
+    assert "not healthy within 1.0 s: worker0" in out

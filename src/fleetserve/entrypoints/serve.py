@@ -199,12 +199,15 @@ def _serve(args: ServerArgs, ns: argparse.Namespace, listen_sock) -> int:
         # Ctrl-C in a terminal signals the whole process group: the ranks ignore SIGINT (inherited
         # SIG_IGN survives their exec) and this process stops them, so the user sees no traceback.
         sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        began = time.monotonic()
+        logger.info("loading %s on %d rank(s); /health answers once it is loaded", args.model_path, args.world_size)
         try:
             procs, readers = _start_schedulers(args, input_ep, output_ep)
         finally:
             signal.signal(signal.SIGINT, sigint)
         tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)  # GGUF: converted once, then cached
         infos = _wait_ready(procs, readers, ns.startup_timeout)
+        logger.info("model loaded in %.0f s", time.monotonic() - began)
         first = infos[0]
         vocab = int(first.get("vocab_size") or len(tokenizer))
         ctx = int(first.get("max_context_len") or args.context_length or getattr(tokenizer, "model_max_length", 2048))
