@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sim-worker: --port {args.port}: cannot listen on {args.host}:{ports}: "
               f"{os.strerror(e.errno) if e.errno else e}"
               + (f" (--num-workers {args.num_workers})" if args.num_workers > 1 else ""), file=sys.stderr)
-        return 1
+        return 2  # a start-up error, as a bad flag (and as serve / the router / launch)
     return 0
 
 

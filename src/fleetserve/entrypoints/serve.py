@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             check_endpoints(parse_kv_events_config(args.kv_events_config), range(args.dp_size))
-        except ValueError as e:
+        except ValueError as e:  # a busy or unopenable KV-event endpoint: a start-up error, as a busy --port
             print(f"fleetserve serve: {e}", file=sys.stderr)
-            return 1
+            return 2
     if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP
         from fleetserve.engine.rank_launch import run_worker_node
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"fleetserve serve: --port {args.port}: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
               file=sys.stderr)
-        return 1
+        return 2  # a start-up error, as a bad flag (and as the router / launch / sim-worker)
     args.port = listen_sock.getsockname()[1]  # --port 0: the port the OS picked
     try:
         return _serve(args, ns, listen_sock)
