@@ -30,7 +30,10 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:  # a missing command is a usage error: argparse exits 2 for a missing required subcommand
+        print(f"fleetserve: a command is required\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):

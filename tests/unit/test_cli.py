@@ -9,6 +9,12 @@ def test_unknown_command_is_an_error(capsys):
     assert "unknown command" in capsys.readouterr().err
 
 
+def test_no_command_is_a_usage_error(capsys):
+    assert main([]) == 2  # as argparse for a missing required subcommand
+    err = capsys.readouterr().err
+    assert err.startswith("fleetserve: a command is required\n") and "usage: fleetserve <command>" in err
+
+
 def test_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -221,3 +221,49 @@ def test_a_bad_host_is_launchs_own_flag_not_the_routers(monkeypatch, capsys, hos
     (it used to reach the router's flag check first and be blamed on --router-args)."""
     code, _, err, lau, _ = _launch(monkeypatch, capsys, ["--host", host])
     assert (code, err, lau) == (2, f"fleetserve launch: {line}", None)
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--dp-size", "0"], "--dp-size must be >= 1, got 0"),
+    (["--dp-size", "two"], "fleetserve sim-worker: error: argument --dp-size: invalid int value: 'two'"),
+    (["--tokenizer", "bpe"], "fleetserve sim-worker: error: argument --tokenizer: invalid choice: 'bpe' "),
+    (["--max-total-tokens", "0"], "--max-total-tokens must be > 0, got 0"),
+    (["--page-size", "3"], "--page-size (3) must divide --chunked-prefill-size "),
+    (["--max-total-tokns", "9"], "fleetserve sim-worker: error: unrecognized arguments: --max-total-tokns 9"),
+])
+def test_sim_instance_flags_are_checked_before_any_instance_starts(monkeypatch, capsys, flags, line):
+    """--worker-kind sim used to start every instance with a bad flag and let each one die; now
+    the sim-worker's own parser and checks refuse it first, in one line (in the launcher's process:
+    they import no torch)."""
+    code, _, err, lau, _ = _launch(monkeypatch, capsys, flags)
+    assert (code, lau) == (2, None)
+    assert "\n" not in err and err.startswith(f"fleetserve launch: {line}"), err
+    code, _, err, lau, _ = _launch(monkeypatch, capsys, ["--stream-interval", "4", "--dp-size", "2"])
+    assert (code, err) == (0, "") and lau is not None
+
+
+def test_a_long_start_up_says_who_it_still_waits_for(monkeypatch, capsys):
+    """No long silence while instances load: a line on stderr every PROGRESS_EVERY_S names the
+    instances that do not answer /health yet."""
+    import sys
+    import time
+
+    from helpers.kv_events_sub import free_port_block
+
+    base = free_port_block(1)
+    args = launch.build_parser().parse_args(["--worker-kind", "sim", "--workers", "1", "--worker-base-port", str(base),
+                                      "--startup-timeout", "1"])
+    lau = launch.Launcher(args, [])
+    w = lau.workers[0]
+    w.cmd = [sys.executable, "-c", "import time; time.sleep(5)"]  # alive, never healthy
+    monkeypatch.setattr(launch, "PROGRESS_EVERY_S", 0.3)
+    w.start()
+    try:
+        assert lau._wait_healthy([w], time.monotonic() + 1.0) is False
+    finally:
+        w.signal_group(9)
+        w.proc.wait(5)
+    out, err = capsys.readouterr()
+    notes = [line for line in err.splitlines() if line.startswith("[launch] still waiting for worker0 to answer /health (")]
+    assert len(notes) >= 2 and notes[0].endswith(" s; --startup-timeout 1)"), err
+    assert "not healthy within 1.0 s: worker0" in out

@@ -105,18 +105,21 @@ def test_fleet_that_fits_gets_a_note():
     assert bad.startswith("--workers 2: the fleet needs about 3.4 GiB")
 
 
-def test_skip_flag_and_sim_workers_are_not_checked(monkeypatch):
+def test_sim_workers_get_no_memory_check(monkeypatch):
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1)
-    args, rest = launch.build_parser().parse_known_args(["--workers", "64", "--skip-memory-check"])
-    assert memory.check_launch(args, rest) == (None, None)
     sim, rest = launch.build_parser().parse_known_args(["--worker-kind", "sim", "--workers", "64"])
     assert memory.check_launch(sim, rest) == (None, None)
 
 
-def test_bad_instance_flags_are_one_line():
+def test_bad_instance_flags_are_one_line(monkeypatch):
     assert memory.check_fleet_memory(1, ["--max-total-tokens", "0"], available=64 * GIB)[0] == \
         "--max-total-tokens must be >= 1, got 0"
-    args, rest = launch.build_parser().parse_known_args(["--tp-size", "two"])
+    assert memory.check_fleet_memory(1, ["--max-total-tokens", "0"], available=None)[0] == \
+        "--max-total-tokens must be >= 1, got 0"
+    assert memory.check_fleet_memory(1, ["--max-total-tokens", "4096"], available=None) == (None, None)
+    # --skip-memory-check skips the estimate (the memory is not even read) but not the flag check
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: pytest.fail("memory read under --skip-memory-check"))
+    args, rest = launch.build_parser().parse_known_args(["--workers", "64", "--skip-memory-check", "--tp-size", "two"])
     bad, note = memory.check_launch(args, rest)
     assert note is None and bad == "fleetserve serve: error: argument --tp-size/--tp: invalid int value: 'two'"
     assert memory.check_fleet_memory(1, ["--max-total-tokns", "4096"], available=64 * GIB) == (

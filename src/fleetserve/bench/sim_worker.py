@@ -29,6 +29,7 @@ Bad input: the body and its sampling values go through the engine's own checks
 (:func:`fleetserve.entrypoints.request_parse.parse_model` with the engine's pydantic request
 models, then :mod:`fleetserve.entrypoints.validation`), so a bad value gets the engine's 400
 (same message and ``param``); the values are checked, not applied (the output is synthetic).
+A ``model`` other than ``--model-name`` gets the engine's 404 ``model_not_found``.
 
 Worker identity: every response carries the header ``X-Fleetserve-Worker`` and
 a top-level ``"worker_id"`` field (in the usage chunk when streaming), so the
@@ -50,11 +51,12 @@ from typing import Any
 from aiohttp import web
 
 from fleetserve.bench import timing_model
+from fleetserve.bench.sim_args import build_parser, check_args
 from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
 from fleetserve.bench.sim_tokenizer import make_tokenizer
 from fleetserve.engine.kv_events.config import parse_kv_events_config
 from fleetserve.engine.kv_events.publisher import make_publisher
-from fleetserve.entrypoints.errors import APIError
+from fleetserve.entrypoints.errors import APIError, model_not_found
 from fleetserve.entrypoints.load_view import (
     LoadsQueryError, legacy_load, loads_body, loads_prometheus, parse_loads_query, select_ranks,
 )
@@ -238,10 +240,16 @@ class SimWorker:
         return SimRequest(rid=uuid.uuid4().hex, input_ids=input_ids, max_new_tokens=max_new, output_ids=out_ids,
                           output_pieces=pieces, stream_interval=self.stream_interval)
 
+    def _check_model(self, name: str | None) -> None:
+        """No name or ``--model-name``; else the engine's 404 ``model_not_found`` (APIError)."""
+        if name is not None and name != self.model_name:
+            raise model_not_found(name, self.model_name)
+
     async def completions(self, req: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(req)
             request = parse_model(CompletionRequest, body)  # the engine's body checks: its errors
+            self._check_model(request.model)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
@@ -266,6 +274,7 @@ class SimWorker:
         try:
             body = await self._body(req)
             request = parse_model(ChatCompletionRequest, body)  # the engine's body checks: its errors
+            self._check_model(request.model)
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -450,32 +459,6 @@ class _Tagged:
         self.queue.put_nowait((self.choice, *event))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fleetserve sim-worker", description=__doc__.split("\n\n")[0].replace("``", ""),
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=31000,
-                   help="port of the first worker; 0 (with --num-workers 1): pick a free port, printed at start")
-    p.add_argument("--num-workers", type=int, default=1, help="workers hosted by this process, on consecutive ports")
-    p.add_argument("--model-name", default="sim-llama-8b", help="model id reported by /v1/models and responses")
-    p.add_argument("--tokenizer", choices=("word", "smollm2"), default="word",
-                   help="word: one token per word (fast); smollm2: the real tokenizer (slow to load)")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="decode steps between streamed chunks (SGLang's --stream-interval); the first token is "
-                        "always sent at once")
-    p.add_argument("--kv-events-config", default=None,
-                   help="publish KV-cache events as vLLM/SGLang do (JSON, see docs/kv_events.md); rank r of "
-                        "worker i uses the endpoint ports + i * dp_size + r, data_parallel_rank r")
-    p.add_argument("--dp-size", type=int, default=1,
-                   help="DP-attention ranks per worker (SGLang's --dp-size), each with its own radix cache and "
-                        "KV pool; a request names its rank with routed_dp_rank or X-data-parallel-rank, else "
-                        "the ranks take turns")
-    p.add_argument("--access-log", action="store_true",
-                   help="log one line per HTTP request (aiohttp's access log, to stderr); off by default")
-    timing_model.add_arguments(p)
-    return p
-
-
 def _access_logger(enabled: bool):
     """aiohttp's ``aiohttp.access`` logger writing to stderr at INFO, or None (no access log)."""
     if not enabled:
@@ -542,15 +525,9 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for flag, value in (("--num-workers", args.num_workers), ("--stream-interval", args.stream_interval),
-                        ("--dp-size", args.dp_size)):
-        if value < 1:
-            print(f"sim-worker: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
-    try:
-        parse_kv_events_config(args.kv_events_config)
-    except ValueError as e:
-        print(f"sim-worker: {e}", file=sys.stderr)
+    bad = check_args(args)
+    if bad:
+        print(f"sim-worker: {bad}", file=sys.stderr)
         return 2
     bad = port_range_error("--port", args.port, args.num_workers, allow_zero=True)
     if bad:
@@ -573,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sim-worker: --port {args.port}: cannot listen on {args.host}:{ports}: "
               f"{os.strerror(e.errno) if e.errno else e}"
               + (f" (--num-workers {args.num_workers})" if args.num_workers > 1 else ""), file=sys.stderr)
-        return 1
+        return 2  # a start-up error, as a bad flag (and as serve / the router / launch)
     return 0
 
 

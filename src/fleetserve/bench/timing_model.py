@@ -97,8 +97,9 @@ def from_args(args: argparse.Namespace) -> TimingModel:
         if v is not None:
             base[f.name] = v
     m = TimingModel(**base)
-    if m.max_total_tokens <= 0 or m.max_running_requests <= 0 or m.chunked_prefill_size <= 0 or m.time_scale <= 0:
-        raise ValueError("max_total_tokens, max_running_requests, chunked_prefill_size and time_scale must be > 0")
+    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size", "time_scale"):
+        if getattr(m, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(m, name)}")
     if m.page_size < 1:
         raise ValueError(f"--page-size must be >= 1, got {m.page_size}")
     if m.chunked_prefill_size % m.page_size:

@@ -59,3 +59,12 @@ class APIError(ValueError):
     def to_dict(self) -> dict[str, Any]:
         """``{"error": {"message", "type", "param", "code"}}``, the OpenAI error body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def model_not_found(name: str, served: str) -> APIError:
+    """The 404 for a request naming a model this server does not serve (vLLM answers 404 too).
+
+    ``code`` ``"model_not_found"``, ``param`` ``"model"``; ``served`` is the name to use instead.
+    """
+    return APIError(f"the model '{name}' does not exist; this server serves '{served}'", 404, "model",
+                    "model_not_found")

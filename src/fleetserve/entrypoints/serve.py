@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             check_endpoints(parse_kv_events_config(args.kv_events_config), range(args.dp_size))
-        except ValueError as e:
+        except ValueError as e:  # a busy or unopenable KV-event endpoint: a start-up error, as a busy --port
             print(f"fleetserve serve: {e}", file=sys.stderr)
-            return 1
+            return 2
     if args.nnodes > 1 and args.node_rank > 0:  # this node only runs ranks; node 0 serves HTTP
         from fleetserve.engine.rank_launch import run_worker_node
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"fleetserve serve: --port {args.port}: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
               file=sys.stderr)
-        return 1
+        return 2  # a start-up error, as a bad flag (and as the router / launch / sim-worker)
     args.port = listen_sock.getsockname()[1]  # --port 0: the port the OS picked
     try:
         return _serve(args, ns, listen_sock)
@@ -199,12 +199,15 @@ def _serve(args: ServerArgs, ns: argparse.Namespace, listen_sock) -> int:
         # Ctrl-C in a terminal signals the whole process group: the ranks ignore SIGINT (inherited
         # SIG_IGN survives their exec) and this process stops them, so the user sees no traceback.
         sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        began = time.monotonic()
+        logger.info("loading %s on %d rank(s); /health answers once it is loaded", args.model_path, args.world_size)
         try:
             procs, readers = _start_schedulers(args, input_ep, output_ep)
         finally:
             signal.signal(signal.SIGINT, sigint)
         tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)  # GGUF: converted once, then cached
         infos = _wait_ready(procs, readers, ns.startup_timeout)
+        logger.info("model loaded in %.0f s", time.monotonic() - began)
         first = infos[0]
         vocab = int(first.get("vocab_size") or len(tokenizer))
         ctx = int(first.get("max_context_len") or args.context_length or getattr(tokenizer, "model_max_length", 2048))

@@ -35,7 +35,8 @@ Life cycle:
 
 Before step 1, the instances' memory is estimated (``launch/memory.py``: weights + KV pool +
 measured overhead) and a fleet that would not fit in ``MemAvailable`` is refused with one line
-(``--skip-memory-check`` starts it anyway).
+(``--skip-memory-check`` starts it anyway); the instance flags are checked first, for every
+``--worker-kind`` and with ``--skip-memory-check`` too: one line naming the bad flag, exit code 2.
 
 Output: every child writes to a pipe and each of its lines is printed here as ``[name] line``
 (``launch/output.py``); ``--log-dir DIR`` also appends them, unprefixed, to ``DIR/<name>.log``.
@@ -275,6 +276,16 @@ EXAMPLE_BODY = ('{"messages":[{"role":"user","content":"What is the capital of F
                 '"max_tokens":32,"temperature":0}')
 
 
+# seconds between the "still waiting" lines while instances start
+PROGRESS_EVERY_S = 15.0
+
+
+def progress(line: str) -> None:
+    """One start-up progress line, ``[launch] ...``, on stderr (the children's lines and the
+    results stay on stdout)."""
+    print(f"[launch] {line}", file=sys.stderr, flush=True)
+
+
 def _http(url: str, method: str = "GET", timeout: float = 2.0) -> int:
     """Status code of a bodiless request, 0 when unreachable."""
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
@@ -317,6 +328,8 @@ class Launcher:
 
     def _wait_healthy(self, children: list[Child], deadline: float) -> bool:
         waiting = list(children)
+        began = time.monotonic()
+        next_note = began + PROGRESS_EVERY_S
         while waiting:
             if self.stopping:
                 return False
@@ -327,6 +340,11 @@ class Launcher:
                 if _http(c.url + "/health") == 200:
                     print(f"[launch] {c.name} healthy at {c.url}", flush=True)
                     waiting.remove(c)
+            now = time.monotonic()
+            if waiting and now >= next_note:  # no long silence while models load
+                progress(f"still waiting for {', '.join(c.name for c in waiting)} to answer /health "
+                         f"({now - began:.0f} s; --startup-timeout {self.args.startup_timeout:g})")
+                next_note = now + PROGRESS_EVERY_S
             if time.monotonic() > deadline:
                 print(f"[launch] not healthy within {self.args.startup_timeout} s: "
                       f"{', '.join(c.name for c in waiting)}", flush=True)
@@ -388,10 +406,13 @@ class Launcher:
         try:
             for w in self.workers:
                 w.start()
+            what = "loading the model" if self.args.worker_kind == "engine" else "starting"
+            progress(f"{len(self.workers)} instance(s) {what}; each is ready when it answers /health")
             deadline = time.monotonic() + self.args.startup_timeout
             if not self._wait_healthy(self.workers, deadline):
                 return 0 if self.stopping else 1
             self.router.start()
+            progress(f"router: waiting for its {len(self.workers)} workers' health checks")
             if not self._wait_healthy([self.router], deadline):
                 return 0 if self.stopping else 1
             print(f"[launch] router ready: {self.router_url} ({effective_policy(self.args)}, "

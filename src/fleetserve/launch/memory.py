@@ -22,6 +22,9 @@ Per instance (bytes)::
 Only CPU instances are checked (on CUDA the weights and the pool live in device memory).
 ``fleetserve launch`` calls :func:`check_launch`, which runs :func:`check_fleet_memory` in a
 child process (``python -m fleetserve.launch.memory``) so that the launcher never imports torch.
+The same child checks the engine instances' flags (``fleetserve serve``'s parser and
+``ServerArgs``), with ``--skip-memory-check`` too; sim workers' flags are checked in the launcher
+itself (:func:`check_sim_flags`: ``sim-worker``'s parser and checks, which import no torch).
 """
 
 from __future__ import annotations
@@ -131,9 +134,10 @@ def fleet_memory_error(workers: int, est: InstanceEstimate, available: int) -> s
             f"a smaller --max-total-tokens, or --skip-memory-check")
 
 
-def check_fleet_memory(workers: int, instance_args: list[str], available: int) -> tuple[str | None, str | None]:
+def check_fleet_memory(workers: int, instance_args: list[str], available: int | None) -> tuple[str | None, str | None]:
     """``(error, note)`` for ``workers`` engine instances started with ``instance_args`` on a
-    machine with ``available`` bytes free. Imports torch (the engine's flags and the model).
+    machine with ``available`` bytes free (None: the flags only, ``(error, None)``). Imports torch
+    (the engine's flags and the model).
 
     ``error``: one line when the fleet would not fit, or when the instance flags (an unknown one
     too) or the model's config are bad (the instances would fail anyway); ``note``: one line with the estimate, or
@@ -149,6 +153,8 @@ def check_fleet_memory(workers: int, instance_args: list[str], available: int) -
         server_args = ServerArgs.from_cli_args(ns)
     except ValueError as e:
         return str(e), None
+    if available is None:
+        return None, None
     if server_args.device != "cpu":
         return None, f"memory check: not made for --device {server_args.device}"
     try:
@@ -165,43 +171,68 @@ def check_fleet_memory(workers: int, instance_args: list[str], available: int) -
     return bad, note
 
 
+def check_sim_flags(instance_args: list[str]) -> str | None:
+    """One line for the first bad ``sim-worker`` flag in ``instance_args`` (an unknown one too), else None.
+
+    In this process: the flags' module (:mod:`fleetserve.bench.sim_args`) imports no torch.
+    """
+    import argparse
+
+    from fleetserve.bench import sim_args
+
+    try:
+        ns, unknown = sim_args.build_parser(exit_on_error=False).parse_known_args(instance_args)
+    except argparse.ArgumentError as e:  # argparse's own words, as the instance would print them
+        return f"fleetserve sim-worker: error: {e}"
+    if unknown:
+        return f"fleetserve sim-worker: error: unrecognized arguments: {' '.join(unknown)}"
+    return sim_args.check_args(ns)
+
+
 def check_launch(args: argparse.Namespace, instance_args: list[str],
                  timeout: float = 300.0) -> tuple[str | None, str | None]:
-    """:func:`check_fleet_memory` for ``fleetserve launch`` (``args``: its namespace), run in a
-    short-lived ``python -m fleetserve.launch.memory`` so that the launcher itself never
-    imports torch (it stays a few tens of MB for the life of the fleet). ``(None, None)`` with
-    ``--skip-memory-check`` and for sim workers; a note, no error, if the check itself fails.
-    ``available`` comes from :func:`available_memory_bytes` here."""
+    """``fleetserve launch``'s check of its instances (``args``: its namespace): their flags for
+    every ``--worker-kind``, and for engines :func:`check_fleet_memory` unless
+    ``--skip-memory-check``. For engines it runs in a short-lived ``python -m
+    fleetserve.launch.memory`` so that the launcher itself never imports torch (it stays a few
+    tens of MB for the life of the fleet); sim flags are checked here (:func:`check_sim_flags`).
+    A note, no error, if the check itself fails. ``available`` comes from
+    :func:`available_memory_bytes` here."""
     import json
     import subprocess
     import sys
 
-    if args.skip_memory_check or args.worker_kind != "engine":
-        return None, None
-    available = available_memory_bytes()
-    if available is None:
-        return None, "memory check: not made, MemAvailable unreadable"
-    cmd = [sys.executable, "-m", "fleetserve.launch.memory", str(args.workers), str(available), *instance_args]
+    if args.worker_kind == "sim":
+        return check_sim_flags(instance_args), None
+    note = None
+    available = None
+    if not args.skip_memory_check:
+        available = available_memory_bytes()
+        if available is None:
+            note = "memory check: not made, MemAvailable unreadable"
+    cmd = [sys.executable, "-m", "fleetserve.launch.memory", str(args.workers),
+           "-" if available is None else str(available), *instance_args]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return None, f"memory check: skipped, no answer within {timeout:g} s"
+        return None, f"instance check: skipped, no answer within {timeout:g} s"
     lines = done.stdout.strip().splitlines()
     if done.returncode == 0 and lines:
         out = json.loads(lines[-1])
-        return out["error"], out["note"]
+        return out["error"], out["note"] or note
     err = done.stderr.strip().splitlines()
     if done.returncode == 2 and err:  # argparse refused an instance flag: the instances would too
         return err[-1], None
-    return None, f"memory check: skipped (exit {done.returncode}: {err[-1] if err else 'no output'})"
+    return None, f"instance check: skipped (exit {done.returncode}: {err[-1] if err else 'no output'})"
 
 
 def main(argv: list[str]) -> int:
-    """``python -m fleetserve.launch.memory WORKERS AVAILABLE_BYTES [instance flags...]``: print
-    ``{"error": ..., "note": ...}`` (one JSON line) of :func:`check_fleet_memory`."""
+    """``python -m fleetserve.launch.memory WORKERS AVAILABLE_BYTES|- [instance flags...]``: print
+    ``{"error": ..., "note": ...}`` (one JSON line) of :func:`check_fleet_memory` (``-``: the flags only)."""
     import json
 
-    error, note = check_fleet_memory(int(argv[0]), argv[2:], int(argv[1]))
+    workers, available, flags = int(argv[0]), argv[1], argv[2:]
+    error, note = check_fleet_memory(workers, flags, None if available == "-" else int(available))
     print(json.dumps({"error": error, "note": note}), flush=True)
     return 0
 

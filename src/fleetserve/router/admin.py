@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import orjson
 
-from . import health
+from . import health, worker_view
 from .http.server import Request, Response, json_error
 from .http.client import UpstreamError
 from .metrics import render
@@ -88,11 +88,7 @@ async def handle_add_worker(router: Router, request: Request) -> Response:
         router.registry.add(router.new_worker(url))
         log.info("added worker %s (health checks off)", url)
         return Response(200, orjson.dumps({"success": True, "status": "added", "message": f"added worker {url}"}))
-    task = router.pending.get(url)
-    if task is None:
-        log.info("worker %s: waiting up to %g s for its health check (%s) before adding it", url,
-                 c.worker_startup_timeout_secs, c.health_check_endpoint)
-        task = router.pending[url] = asyncio.ensure_future(_add_when_healthy(router, url))
+    task = begin_add(router, url)
     done, _ = await asyncio.wait((task,), timeout=ADD_WORKER_ANSWER_WITHIN_S)
     if not done:
         return Response(202, orjson.dumps({
@@ -110,6 +106,17 @@ async def handle_add_worker(router: Router, request: Request) -> Response:
                           code="worker_already_registered")
     return json_error(503, f"worker {url} did not become healthy within {c.worker_startup_timeout_secs:g} s",
                       "service_unavailable", code="worker_not_healthy")
+
+
+def begin_add(router: Router, url: str) -> asyncio.Task:
+    """The background wait that adds normalized ``url`` once healthy: the one under way, else a new one."""
+    task = router.pending.get(url)
+    if task is None:
+        c = router.cfg
+        log.info("worker %s: waiting up to %g s for its health check (%s) before adding it", url,
+                 c.worker_startup_timeout_secs, c.health_check_endpoint)
+        task = router.pending[url] = asyncio.ensure_future(_add_when_healthy(router, url))
+    return task
 
 
 # how long POST /add_worker waits for the health check before answering 202 pending
@@ -140,31 +147,43 @@ async def handle_remove_worker(router: Router, request: Request) -> Response:
     if not raw:
         return json_error(400, "missing ?url= query parameter", param="url", code="invalid_worker_url")
     try:
-        worker = router.registry.remove(raw)
+        url = normalize_url(raw)
     except ValueError as e:
         return json_error(400, f"bad worker url: {e}", param="url", code="invalid_worker_url")
-    if worker is None:
-        task = router.pending.pop(normalize_url(raw), None)
-        if task is not None:
-            task.cancel()
-            log.info("worker %s: no longer waiting for it (removed while pending)", normalize_url(raw))
-            return Response(200, orjson.dumps({"success": True,
-                                               "message": f"stopped waiting for pending worker {normalize_url(raw)}"}))
+    message = remove(router, url)
+    if message is None:
         return json_error(404, f"worker {raw} is not registered", "not_found_error", param="url",
                           code="worker_not_found")
+    return Response(200, orjson.dumps({"success": True, "message": message}))
+
+
+def remove(router: Router, url: str) -> str | None:
+    """Drop normalized ``url`` (registered, or still pending); a message saying what was done, None if unknown.
+
+    A registered worker leaves routing, the policy's state and the sticky
+    sessions at once; its requests in flight still finish.
+    """
+    worker = router.registry.remove(url)
+    if worker is None:
+        task = router.pending.pop(url, None)
+        if task is None:
+            return None
+        task.cancel()
+        log.info("worker %s: no longer waiting for it (removed while pending)", url)
+        return f"stopped waiting for pending worker {url}"
     router.policy.on_worker_removed(worker.url)
     if router.sessions is not None:
         router.sessions.forget_worker(worker.url)
     router.pool.forget(worker.url)
     log.info("removed worker %s (%d requests still in flight)", worker.url, worker.load)
-    return Response(200, orjson.dumps({"success": True, "message": f"removed worker {worker.url}"}))
+    return f"removed worker {worker.url}"
 
 
 async def handle_list_workers(router: Router, request: Request) -> Response:
     body = {
         "urls": router.registry.urls(),
-        "workers": [{"url": w.url, "healthy": w.healthy, "load": w.load, "circuit": w.breaker.state,
-                     "draining": w.draining} for w in router.registry.workers],
+        # each as worker_view.describe: "healthy" is false as soon as the circuit opens or an attempt fails
+        "workers": [worker_view.describe(w) for w in router.registry.workers],
         # POST /drain_worker urls: still listed (and in "urls") until drained, but get no new requests
         "draining": [w.url for w in router.registry.workers if w.draining],
         # /add_worker urls still waiting for their first good health check: not routed to, not in "urls"

@@ -37,7 +37,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
     # bind the ports before the (possibly long) wait for the workers, so a busy port fails at once
     socks = _bind_all(cfg)
     if socks is None:
-        return 1
+        return 2  # a start-up error, as a bad flag (and as fleetserve serve / launch / sim-worker)
     try:
         router = Router(cfg)
     except ValueError as e:  # a setting only building the policy finds bad (e.g. an unreadable --tokenizer-path)

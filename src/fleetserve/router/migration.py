@@ -524,7 +524,7 @@ class Migration:
             if self.buf:
                 await request.write(self.buf)
                 self.buf = b""
-            worker.breaker.record_success()
+            worker.record_success()
             if predicted is not None and started:
                 router.predictions.observe(worker.url, predicted, prev + last)
             return "done"

@@ -235,7 +235,7 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
                                        [*_forwarded_headers(resp), *shown]))
             if not stream or resp.content_type != "text/event-stream":
                 data = await resp.read()
-                worker.breaker.record_success()
+                worker.record_success()
                 if predicted is not None and status == 200:
                     router.predictions.observe(worker.url, predicted, data)
                     _answered(router.policy, key, worker.url, data)
@@ -313,7 +313,7 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chun
             return None
         if mig is not None and mig.buf:
             await request.write(mig.buf)  # an unfinished last event, passed on as it came
-        worker.breaker.record_success()
+        worker.record_success()
         request.end_stream()
         return prev + last
     except ConnectionResetError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import admin, auth, drain, probes, proxy
+from . import admin, auth, drain, probes, proxy, workers_api
 from .app import Router
 from .http.server import Routes
 
@@ -38,6 +38,10 @@ def make_routes(router: Router) -> Routes:
     add("POST", "/remove_worker", admin.handle_remove_worker)
     add("POST", "/drain_worker", drain.handle_drain_worker)
     add("GET", "/list_workers", admin.handle_list_workers)
+    add("GET", "/workers", workers_api.handle_list)  # smg's worker REST routes (workers_api.py)
+    add("POST", "/workers", workers_api.handle_create)
+    routes.add_prefix("GET", workers_api.PREFIX, auth.guard(key, partial(workers_api.handle_get, router)))
+    routes.add_prefix("DELETE", workers_api.PREFIX, auth.guard(key, partial(workers_api.handle_delete, router)))
     return routes
 
 

@@ -64,7 +64,7 @@ class Worker:
     """One upstream server.  ``url`` is its base URL and its tenant name in the radix tree."""
 
     __slots__ = ("url", "load", "healthy", "breaker", "health_failures", "health_successes",
-                 "requests", "failures", "removed", "draining")
+                 "requests", "failures", "failed_in_row", "removed", "draining")
 
     def __init__(self, url: str, breaker: CircuitBreaker | None = None) -> None:
         self.url = url
@@ -75,6 +75,7 @@ class Worker:
         self.health_successes = 0
         self.requests = 0
         self.failures = 0
+        self.failed_in_row = 0  # proxied attempts failed by this worker's fault since its last success
         self.removed = False
         self.draining = False  # POST /drain_worker: no new requests (drain.py)
 
@@ -83,12 +84,19 @@ class Worker:
         timed-out connection, an error event mid-stream) and log it as one warning line naming the
         worker and ``reason``; a line more when this failure opens the circuit breaker."""
         self.failures += 1
+        self.failed_in_row += 1
         was_open = self.breaker.state is OPEN
         self.breaker.record_failure()
         logger.warning("worker %s failed a request: %s (failures so far: %d)", self.url, reason, self.failures)
         if self.breaker.state is OPEN and not was_open:
             logger.warning("worker %s: circuit breaker open; no requests to it for %.0f s", self.url,
                            self.breaker.timeout_s)
+
+    def record_success(self) -> None:
+        """A proxied attempt ended without a worker fault: the circuit breaker counts it, and the
+        failures in a row shown by ``/list_workers`` and ``/workers`` start again from zero."""
+        self.failed_in_row = 0
+        self.breaker.record_success()
 
     def available(self) -> bool:
         """Healthy, not removed, and its circuit lets a request through."""

@@ -108,6 +108,17 @@ async def test_errors_and_flush(workers):
             assert r.status == 400, (path, body)
             err = (await r.json())["error"]
             assert err["type"] == "invalid_request_error" and err["message"]
+    # a model other than --model-name: the engine's 404 (vLLM answers 404 too), the served name is fine
+    for path, body in (("/v1/completions", {"prompt": "a", "model": "other"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "model": "other"})):
+        async with s.post(base + path, json=body) as r:
+            assert r.status == 404, path
+            assert await r.json() == {"error": {
+                "message": "the model 'other' does not exist; this server serves 'sim-llama-8b'",
+                "type": "not_found_error", "param": "model", "code": "model_not_found"}}
+    async with s.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}],
+                                                          "model": "sim-llama-8b", "max_tokens": 1}) as r:
+        assert r.status == 200
     async with s.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}) as r:
         assert r.status == 200
     async with s.post(base + "/flush_cache") as r:
@@ -116,7 +127,7 @@ async def test_errors_and_flush(workers):
         assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     async with s.get(base + "/get_server_info") as r:
         info = await r.json()
-    assert info["stats"]["num_requests"] == 2 and info["timing_model"]["decode_base_s"] == 0.01
+    assert info["stats"]["num_requests"] == 3 and info["timing_model"]["decode_base_s"] == 0.01
 
 
 def _engine_error(path: str, body: dict, prompt_len: int) -> dict:

@@ -19,6 +19,8 @@ def test_launch_sim_restart_and_clean_stop():
                      "--restart-workers", "--shutdown-grace", "10", "--router-args", "--health-check-interval-secs 1",
                      "--stream-interval", "2"])
     try:
+        lp.wait_for(r"^\[launch\] 2 instance\(s\) starting; each is ready when it answers /health$", 30)  # stderr
+        lp.wait_for(r"^\[launch\] router: waiting for its 2 workers' health checks$", 60)
         lp.wait_for(rf"router ready: http://127\.0\.0\.1:{PORT}", 60)
         lp.wait_for(rf"try: curl http://127\.0\.0\.1:{PORT}/v1/chat/completions", 5)
         url = f"http://127.0.0.1:{PORT}"

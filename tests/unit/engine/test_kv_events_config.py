@@ -133,7 +133,7 @@ def test_serve_cli_refuses_a_busy_kv_event_port_of_any_dp_rank(capsys):
     holder.bind(f"tcp://*:{base + 1}")  # DP rank 1's port
     try:
         cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{base}"})
-        assert launch_server.main(["--port", "0", "--dp-size", "2", "--kv-events-config", cfg]) == 1
+        assert launch_server.main(["--port", "0", "--dp-size", "2", "--kv-events-config", cfg]) == 2  # as a busy --port
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"fleetserve serve: --kv-events-config: endpoint 'tcp://*:{base + 1}': cannot bind "
                        "(Address already in use)"]

@@ -60,7 +60,7 @@ def test_sim_worker_names_the_flag_below_one(capsys, flag):
 
 
 def test_sim_worker_busy_port_names_the_flag(capsys, busy_port):
-    assert sim_worker.main(["--port", str(busy_port)]) == 1
+    assert sim_worker.main(["--port", str(busy_port)]) == 2  # one code for a busy port: serve, router, launch too
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"sim-worker: --port {busy_port}: cannot listen on 127.0.0.1:{busy_port}: Address already in use")
 
@@ -123,7 +123,7 @@ def test_serve_refuses_a_busy_port_before_loading_the_model(capsys, busy_port, m
 
     monkeypatch.setattr(serve, "_start_schedulers", no_load)
     t0 = time.monotonic()
-    assert serve.main(["--model-path", str(tmp_path), "--port", str(busy_port)]) == 1
+    assert serve.main(["--model-path", str(tmp_path), "--port", str(busy_port)]) == 2
     assert time.monotonic() - t0 < 5
     assert capsys.readouterr().err.strip().splitlines() == [
         f"fleetserve serve: --port {busy_port}: cannot listen on 127.0.0.1:{busy_port}: Address already in use"]

@@ -11,6 +11,7 @@ import asyncio
 import io
 import time
 from contextlib import redirect_stderr
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -59,7 +60,9 @@ async def test_api_key_guards_inference_and_admin_routes_and_leaves_probes_open(
         guarded = [("POST", "/generate", {"json": {"text": "x"}}), ("POST", "/v1/completions", {"json": {"prompt": "x"}}),
                    ("POST", "/v1/chat/completions", {"json": {"messages": []}}), ("GET", "/list_workers", {}),
                    ("POST", f"/add_worker?url={wurl}", {}), ("POST", f"/remove_worker?url={wurl}", {}),
-                   ("POST", f"/drain_worker?url={wurl}", {}), ("POST", "/flush_cache", {}), ("GET", "/get_loads", {})]
+                   ("POST", f"/drain_worker?url={wurl}", {}), ("POST", "/flush_cache", {}), ("GET", "/get_loads", {}),
+                   ("GET", "/workers", {}), ("POST", "/workers", {"json": {"url": wurl}}),
+                   ("GET", "/workers/" + quote(wurl, safe=""), {}), ("DELETE", "/workers/" + quote(wurl, safe=""), {})]
         for method, path, kw in guarded:
             for headers in (None, {"Authorization": "Bearer wrong"}, {"X-Api-Key": KEY}, {"Authorization": KEY}):
                 st, body, h = await status_of(s, method, r.url + path, headers, **kw)

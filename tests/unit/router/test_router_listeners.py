@@ -74,3 +74,19 @@ async def test_duplicate_worker_urls_are_said_once(monkeypatch, caplog):
                            "127.0.0.1:9/"], monkeypatch, caplog)
     assert "--worker-urls names http://127.0.0.1:9 more than once: it is one worker" in caplog.text
     assert "0 workers" not in caplog.text and ", 1 workers" in caplog.text
+
+
+@pytest.mark.timeout(30)
+async def test_a_busy_port_exits_2_like_every_other_start_up_error(caplog):
+    """fleetserve router, serve, launch and sim-worker all answer a busy port with exit code 2
+    (it was 1 here and in serve, 2 in launch)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with caplog.at_level(logging.ERROR, logger="fleetserve.router"):
+            code = await asyncio.wait_for(router_cli.serve(parse_args(["--port", str(port)])), 10)
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1:{port} (--host/--port): address already in use" in caplog.text

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 
-from fleetserve.entrypoints.errors import APIError
+from fleetserve.entrypoints.errors import model_not_found
 from fleetserve.entrypoints.tokenizer_manager import ModelInfo, TokenizerManager
 from fleetserve.entrypoints.validation import DP_RANK_HEADER, resolve_routed_dp_rank
 
@@ -65,8 +65,7 @@ class ServerState:
     def check_model(self, name: str | None) -> None:
         """Accept no name, the served name or the model path; else raise APIError 404 (``model_not_found``)."""
         if name is not None and name not in (self.model_name, self.info.model_path):
-            raise APIError(f"the model '{name}' does not exist; this server serves '{self.model_name}'", 404,
-                           "model", "model_not_found")
+            raise model_not_found(name, self.model_name)
 
 
 def server_state_of(app: FastAPI) -> ServerState:

@@ -143,8 +143,10 @@ class HttpProtocol(asyncio.Protocol):
     """One client connection."""
 
     def __init__(self, routes: dict[str, dict[str, object]], max_body: int,
-                 live: set["HttpProtocol"] | None = None) -> None:
+                 live: set["HttpProtocol"] | None = None,
+                 prefixes: tuple[tuple[str, dict[str, object]], ...] = ()) -> None:
         self.routes = routes
+        self.prefixes = prefixes  # (path prefix, method -> handler), tried when no exact path matches
         self.live = live
         self.idle_since: float | None = None
         self.max_body = max_body
@@ -343,6 +345,8 @@ class HttpProtocol(asyncio.Protocol):
     async def _dispatch(self, req: Request) -> Response | None:
         by_method = self.routes.get(req.path)
         if by_method is None:
+            by_method = self._by_prefix(req.path)
+        if by_method is None:
             return json_error(404, f"no route for {req.path}", "not_found_error")
         handler = by_method.get(req.method)
         if handler is None:
@@ -357,6 +361,12 @@ class HttpProtocol(asyncio.Protocol):
                 self.transport.close()
                 return None
             return json_error(500, f"internal router error: {type(e).__name__}: {e}", "internal_error")
+
+    def _by_prefix(self, path: str) -> dict[str, object] | None:
+        for prefix, by_method in self.prefixes:
+            if path.startswith(prefix) and len(path) > len(prefix):
+                return by_method
+        return None
 
     def _send(self, resp: Response, keep_alive: bool) -> None:
         body = resp.body
@@ -391,13 +401,22 @@ class HttpProtocol(asyncio.Protocol):
 
 
 class Routes:
-    """path -> method -> async handler(Request) -> Response | None."""
+    """path -> method -> async handler(Request) -> Response | None.
+
+    :meth:`add_prefix` routes every longer path under a prefix (``/workers/``
+    then a worker url) when no exact path matches; the handler reads the rest
+    of ``request.path`` itself.
+    """
 
     def __init__(self) -> None:
         self.table: dict[str, dict[str, object]] = {}
+        self.prefixes: dict[str, dict[str, object]] = {}
 
     def add(self, method: str, path: str, handler) -> None:
         self.table.setdefault(path, {})[method] = handler
+
+    def add_prefix(self, method: str, prefix: str, handler) -> None:
+        self.prefixes.setdefault(prefix, {})[method] = handler
 
 
 async def _close_idle(live: set[HttpProtocol], idle_timeout_s: float) -> None:
@@ -449,7 +468,8 @@ async def start_server(routes: Routes, host: str | None, port: int | None, max_b
     """
     loop = asyncio.get_running_loop()
     live: set[HttpProtocol] = set()
-    factory = lambda: HttpProtocol(routes.table, max_body, live)  # noqa: E731
+    prefixes = tuple(routes.prefixes.items())
+    factory = lambda: HttpProtocol(routes.table, max_body, live, prefixes)  # noqa: E731
     if sock is not None:
         server = await loop.create_server(factory, sock=sock, backlog=backlog)
     else:
