@@ -26,6 +26,8 @@ def agree_from(a, b, lo: int, hi: int) -> int:
     """The largest ``n`` in ``[lo, hi]`` with ``a[:n] == b[:n]``, given ``a[:lo] == b[:lo]`` and
     ``hi <= min(len(a), len(b))``; ``a``, ``b``: two lists or two strings.  Only the part after ``lo``
     is compared: one slice comparison, then a binary search (O(log(hi - lo)) slices) if they differ."""
+    if lo < hi and a[lo] != b[lo]:  # they part at once (e.g. prompts of other prefix groups): no slice
+        return lo
     if a[lo:hi] == b[lo:hi]:
         return hi
     while hi - lo > 1:  # a[:lo] agree, a[:hi] do not
