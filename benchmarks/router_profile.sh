@@ -6,7 +6,7 @@
 #            --policy kv_aware --tokenizer-path ~/.cache/fleetserve/tokenizers/<hash>
 #
 # 4 fake workers and the router on cpu1, wrk (1 thread, 16 connections, 14 s) on cpu0, as the stick
-# pins them; py-spy samples the router for 10 s at 200 Hz and writes collapsed stacks to $OUT
+# pins them (CONC=N: N connections); py-spy samples the router for 10 s at 200 Hz and writes collapsed stacks to $OUT
 # (default /tmp/router-profile.raw), then the top frames by own and total samples are printed.
 # Environment: ROUTER_BENCH_DIR (the stick), PYSPY (py-spy binary; default /tmp/peers/bin/py-spy),
 # PEERS_PY (python with uvloop/orjson for the fake workers; default /tmp/peers/bin/python), PYTHON.
@@ -44,7 +44,7 @@ for _ in $(seq 1 120); do
   [[ "$code" == 200 ]] && break
   sleep 0.5
 done
-WRK_BODIES="$BODIES" WRK_PATH=/v1/completions timeout 30 taskset -c 0 wrk -t1 -c16 -d14s \
+WRK_BODIES="$BODIES" WRK_PATH=/v1/completions timeout 30 taskset -c 0 wrk -t1 -c"${CONC:-16}" -d14s \
   -s "$STICK/wrk_post.lua" "http://127.0.0.1:${PORTS[4]}" >/tmp/router-profile-wrk.log 2>&1 &
 WP=$!
 sleep 2

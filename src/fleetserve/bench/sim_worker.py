@@ -312,36 +312,55 @@ class SimWorker:
             return _api_error(e)
         except ValueError as e:
             return _error(400, str(e))
+        n = checked.n
+        events: asyncio.Queue = asyncio.Queue()  # (choice, new ids, new pieces, done) from every sequence
         try:
             eng = self._pick(req, body)
-            r = self._new_request(ids, max_new, eng)
-            eng.submit(r)
+            reqs = [self._new_request(ids, max_new, eng, sample=i) for i in range(n)]
+            for i, r in enumerate(reqs):  # as _serve_openai: the n samples share the prompt on one rank
+                r.events = _Tagged(events, i)
+                eng.submit(r)
         except (RequestTooLong, ValueError) as e:
             return _error(400, str(e))
         headers = {WORKER_HEADER: self.engine.name}
 
-        def meta(done: bool) -> dict:
-            return {"id": r.rid, "prompt_tokens": len(ids), "completion_tokens": r.sent,
-                    "cached_tokens": r.cached_tokens, "worker_id": self.engine.name,
-                    "finish_reason": {"type": "length", "length": r.sent} if done else None,
-                    "e2e_latency": time.monotonic() - r.arrival}
+        def result(r: SimRequest, done: bool) -> dict:
+            return {"text": "".join(r.output_pieces[:r.sent]), "output_ids": r.output_ids[:r.sent],
+                    "meta_info": {"id": r.rid, "prompt_tokens": len(ids), "completion_tokens": r.sent,
+                                  "cached_tokens": r.cached_tokens, "worker_id": self.engine.name,
+                                  "finish_reason": {"type": "length", "length": r.sent} if done else None,
+                                  "e2e_latency": time.monotonic() - r.arrival}}
 
+        async def next_event() -> tuple:
+            try:
+                return await events.get()
+            except asyncio.CancelledError:
+                for r in reqs:
+                    eng.abort(r)
+                raise
+
+        # SGLang (TokenizerManager._handle_batch_request): n > 1 answers a list of n results, in
+        # sample order; streamed, every event is one sample's result so far with its "index"
         if not body.get("stream"):
-            await self._drain(r, eng)
-            return web.json_response({"text": "".join(r.output_pieces[:r.sent]), "output_ids": r.output_ids[:r.sent],
-                                      "meta_info": meta(True)}, headers=headers)
+            left = n
+            while left:
+                left -= (await next_event())[3]
+            results = [result(r, True) for r in reqs]
+            return web.json_response(results if n > 1 else results[0], headers=headers)
         resp = await self._start_sse(req, headers)
         try:
-            while True:
-                _ids, _pieces, done = await r.events.get()
-                payload = {"text": "".join(r.output_pieces[:r.sent]), "output_ids": r.output_ids[:r.sent],
-                           "meta_info": meta(done)}
+            left = n
+            while left:
+                i, _ids, _pieces, done = await next_event()
+                payload = result(reqs[i], done)
+                if n > 1:
+                    payload["index"] = i
                 await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-                if done:
-                    break
+                left -= done
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
-            eng.abort(r)
+            for r in reqs:
+                eng.abort(r)
             raise
         return resp
 

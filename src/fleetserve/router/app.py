@@ -19,6 +19,7 @@ import logging
 import aiohttp
 
 from . import health
+from .auth import worker_headers
 from .admission import make_admission
 from .circuit_breaker import CircuitBreaker
 from .config import RouterConfig
@@ -74,6 +75,7 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_secs),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            headers=worker_headers(self.cfg.api_key),  # --api-key is the workers' key too (auth.py)
         )
         if not self.cfg.disable_health_check:
             self._tasks.append(asyncio.create_task(self._health_loop()))

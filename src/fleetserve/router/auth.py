@@ -12,11 +12,20 @@ Open with a key: ``/health``, ``/liveness``, ``/readiness``,
 and the info routes ``/v1/models``, ``/get_model_info``,
 ``/get_server_info``, which sglang-router 0.3.2 leaves open too.
 
-The key is not injected into requests to the workers: the client's own
-credential headers are passed on, as without ``--api-key``
-(:data:`.proxy.CREDENTIAL_HEADERS`).  A client admitted by the router sent
-``Bearer K``, so workers started with the same key (sglang-router's
-one-key set-up) accept it, and workers without a key ignore it.
+The key is also the workers' key, as sglang-router's ``--api-key`` ("the api
+key used for the authorization with the worker"): it builds each startup
+worker's config with the router's key (``Job::InitializeWorkersFromConfig``)
+and sends ``Authorization: Bearer <key>`` on its own requests to the worker
+(``/get_server_info`` at registration, ``/get_load``, ``/flush_cache``) and on
+proxied requests.  Here every request the router makes itself carries it
+(:func:`worker_headers`, the control session's default header): the health
+checks, kv_aware's ``/get_server_info`` and ``/v1/loads``, ``/get_load``, and
+the proxied info routes and ``/flush_cache`` fan-out unless the client sent its
+own ``Authorization``, which is passed on instead
+(:data:`.proxy.CREDENTIAL_HEADERS`).  Proxied inference needs the client's
+``Bearer K`` to get past :func:`check`, so it already carries the key.  So
+engines started with the same ``--api-key`` (sglang-router's one-key set-up)
+serve behind it, and workers without a key ignore the header.
 """
 
 from __future__ import annotations
@@ -28,6 +37,12 @@ from .http.server import Request, Response, json_error
 # paths that need no key even with --api-key
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/health_generate", "/metrics",
                         "/v1/models", "/get_model_info", "/get_server_info"})
+
+
+def worker_headers(api_key: str | None) -> dict[str, str]:
+    """The headers the router's own requests to the workers carry: ``{"Authorization": "Bearer <key>"}``
+    with ``--api-key``, else none."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
 
 
 def _unauthorized(message: str) -> Response:

@@ -315,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("auth and drain")
     g.add_argument("--api-key", default=None,
                    help="the router's own key: inference and admin routes need 'Authorization: Bearer KEY' "
-                        "(401 otherwise); /health, /liveness, /readiness, /health_generate, /metrics stay open")
+                        "(401 otherwise); /health, /liveness, /readiness, /health_generate, /metrics stay open. "
+                        "Also the workers' key, as sglang-router's: the router's own requests to them (health "
+                        "checks, /get_server_info, /v1/loads, /get_load, /flush_cache) send it")
     g.add_argument("--drain-timeout-secs", type=float, default=d.drain_timeout_secs,
                    help="POST /drain_worker: longest wait for the worker's in-flight requests before it is removed")
     from .compat import add_unsupported  # last: skips any flag defined above

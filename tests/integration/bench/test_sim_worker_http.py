@@ -256,3 +256,34 @@ async def test_n_choices_one_prefill_n_decode_streams(workers):
                                    "total_tokens": chat["usage"]["prompt_tokens"] + 10,
                                    "prompt_tokens_details": {"cached_tokens": chunks[-1]["usage"][
                                        "prompt_tokens_details"]["cached_tokens"]}}
+
+
+@pytest.mark.timeout(60)
+async def test_generate_n_answers_a_list_and_streams_indexed_results(workers):
+    """SGLang's ``/generate`` with ``sampling_params.n``: a list of n results (sample order), each its own
+    id and output; streamed, each event one sample's result so far with its ``index``; n=1 stays one dict."""
+    s = workers
+    base = f"http://127.0.0.1:{PORT}"
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "n": 3}}
+    async with s.post(base + "/generate", json=body) as r:
+        assert r.status == 200
+        outs = await r.json()
+    assert isinstance(outs, list) and len(outs) == 3
+    assert [len(o["output_ids"]) for o in outs] == [4, 4, 4]
+    assert len({o["text"] for o in outs}) == 3 and len({o["meta_info"]["id"] for o in outs}) == 3
+    assert [o["meta_info"]["finish_reason"] for o in outs] == [{"type": "length", "length": 4}] * 3
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [200] * 3
+    async with s.post(base + "/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 4}}) as r:
+        one = await r.json()
+    assert isinstance(one, dict) and one["text"] == outs[0]["text"]  # n=1 is sample 0
+    events = await _sse(s, base + "/generate", {**body, "stream": True})
+    last = {}
+    for e in events:
+        last[e["index"]] = e  # each event carries the sample's text so far
+    assert sorted(last) == [0, 1, 2]
+    assert [last[i]["text"] for i in range(3)] == [o["text"] for o in outs]
+    assert all(last[i]["meta_info"]["finish_reason"] == {"type": "length", "length": 4} for i in range(3))
+    assert sum(e["meta_info"]["finish_reason"] is not None for e in events) == 3
+    async with s.post(base + "/generate", json={"text": "a b", "sampling_params": {"n": 0}}) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["param"] == "sampling_params.n"

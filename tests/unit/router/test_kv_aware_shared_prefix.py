@@ -94,6 +94,41 @@ def test_pending_prefix_is_the_longest_prefix_a_queued_request_starts_with():
     assert _pending_prefix(P, 99, [RouteKey("text only")]) == 0  # no token ids: nothing to compare
 
 
+def test_sorted_queue_gives_the_scans_pending_prefix_and_shared_queued():
+    """QueuedKeys (pending.py) answers _pending_prefix from two sorted neighbours, and both functions
+    compare ids texts instead of lists: the same numbers as the plain scan over lists, on random
+    prompts in a few prefix groups (ids past 0x10FFFF and text-only keys included)."""
+    import random
+
+    from fleetserve.router.kv_events.pending import QueuedKeys, one_char_per_id
+    from fleetserve.router.kv_events.policy import _shared_queued
+
+    rng = random.Random(7)
+    for _ in range(300):
+        groups = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
+
+        def toks():
+            g = rng.choice(groups)
+            return g[:rng.randrange(len(g) + 1)] + [rng.choice([0, 1, 70_000, 0x110000 if rng.random() < 0.05 else 2])
+                                                    for _ in range(rng.randrange(20))]
+        q, plain = QueuedKeys(), []
+        for _ in range(rng.randrange(8)):
+            key = RouteKey("t", toks() if rng.random() > 0.1 else None, 0)
+            key.cached = rng.randrange(30)
+            q.append(key)
+            plain.append(key)
+        if plain and rng.random() < 0.5:  # one leaves again
+            gone = rng.choice(plain)
+            plain.remove(gone)
+            assert q.remove(gone) and not q.remove(gone)
+        me = RouteKey("t", toks() or [3], 0)
+        limit, cached = rng.randrange(len(me.tokens) + 3), rng.randrange(len(me.tokens) + 3)
+        text = one_char_per_id(me)
+        assert _pending_prefix(me.tokens, limit, q, text) == _pending_prefix(me.tokens, limit, plain)
+        assert _shared_queued(me.tokens, cached, q, text) == _shared_queued(me.tokens, cached, plain)
+    assert q.odd == sum(1 for k in plain if k.tokens and one_char_per_id(k) is None)
+
+
 def test_a_prompt_stays_with_its_cached_system_prompt_behind_a_queue_of_about_as_many_tokens():
     # The split in the logs: A holds group 0's system prompt (its events) and has two prefills queued,
     # another group's whole prompt (555 uncached) and a group-0 question (38); B is idle.

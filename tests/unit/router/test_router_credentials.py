@@ -110,3 +110,36 @@ async def test_bench_sends_its_api_key(keyed_worker, monkeypatch):
     assert bench_cli.build_parser().parse_args(["--api-key", "k"]).api_key == "k"
     monkeypatch.delenv("OPENAI_API_KEY")
     assert bench_cli.build_parser().parse_args([]).api_key is None
+
+
+@pytest.mark.timeout(30)
+async def test_api_key_is_the_workers_key_on_the_routers_own_requests(keyed_worker, InProcessRouter):
+    """``--api-key K`` is also the workers' key, as sglang-router's: the start-up health check (here on a
+    keyed path), kv_aware's /get_server_info and the info routes a client calls without a key (open on
+    the router) reach a worker started with K; a client's own Authorization is still passed on instead."""
+    import asyncio
+
+    wurl, seen = keyed_worker
+    mine = ("/get_server_info", f"Bearer {KEY}", None)
+    async with InProcessRouter(worker_urls=[wurl], api_key=KEY, policy="kv_aware",
+                               health_check_endpoint="/get_model_info") as r, aiohttp.ClientSession() as s:
+        assert ("/get_model_info", f"Bearer {KEY}", None) in seen  # the start-up check passed with the key
+        for _ in range(100):  # kv_aware asks the worker for its KV-event publisher at start
+            if mine in seen:
+                break
+            await asyncio.sleep(0.05)
+        assert mine in seen
+        assert not r.router.kv_sources._why  # it answered 200 (not "answered 401")
+        async with s.get(r.url + "/v1/models") as resp:  # open on the router; the worker gets the key
+            assert resp.status == 200
+            assert (await resp.json())["path"] == "/v1/models"
+        async with s.get(r.url + "/v1/models", headers={"Authorization": "Bearer other"}) as resp:
+            assert resp.status == 401  # the client's own credential wins, as without --api-key
+        async with s.post(r.url + "/flush_cache") as resp:
+            assert resp.status == 401  # the router's own check first
+        async with s.post(r.url + "/flush_cache", headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            assert await resp.json() == {"success": True, "workers": {wurl: 200}}
+        async with s.post(r.url + "/v1/completions", json={"prompt": "hi"},
+                          headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            assert resp.status == 200
+    assert ("/v1/models", f"Bearer {KEY}", None) in seen

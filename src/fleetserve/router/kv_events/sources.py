@@ -154,7 +154,7 @@ class KvEventSources:
             async with router.session.get(url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 200:
                     info = await r.json(content_type=None)
-                else:  # e.g. 401 from a worker started with --api-key (this request carries no key)
+                else:  # e.g. 401 from a worker started with --api-key while the router has none or another
                     self._why[url] = f"answered {r.status}"
         except Exception as e:  # unreachable, not JSON, ...: ask again later
             log.debug("kv-events: %s/get_server_info: %s", url, e)
