@@ -40,6 +40,45 @@ def test_printed_example_carries_the_key_a_client_needs(argv, key):
     assert line.endswith(f"-d '{launch.EXAMPLE_BODY}'")
 
 
+@pytest.mark.parametrize("argv,router_keys", [
+    ([], []),
+    (["--api-key", "inst"], ["inst"]),  # keyed instances: the router gets their key for its own requests
+    (["--api-key", "inst", "--router-args", "--api-key rk"], ["rk"]),  # the router's own key, alone
+])
+def test_router_gets_the_instances_key_unless_it_has_its_own(argv, router_keys):
+    args, instance_args = launch.build_parser().parse_known_args(argv)
+    router = launch.router_argv(args, instance_args)
+    assert [router[i + 1] for i, tok in enumerate(router) if tok == "--api-key"] == router_keys
+
+
+def test_admin_calls_send_the_key():
+    import http.server
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200 if self.headers.get("Authorization") == "Bearer k1" else 401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/add_worker?url=x"
+        assert launch._http(url, "POST", timeout=5, key="k1") == 200
+        assert launch._http(url, "POST", timeout=5) == 401
+        assert seen == ["Bearer k1", None]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.mark.parametrize("argv,flags", [
     ([], ["--disable-uvicorn-access-log"]),
     (["--access-log"], []),

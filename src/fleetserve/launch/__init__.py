@@ -231,6 +231,17 @@ def client_api_key(args: argparse.Namespace, instance_args: list[str]) -> str | 
     return _flag_value(shlex.split(args.router_args), "--api-key") or _flag_value(instance_args, "--api-key")
 
 
+def router_key_args(args: argparse.Namespace, instance_args: list[str]) -> list[str]:
+    """``["--api-key", K]`` when the instances run with ``--api-key K`` and ``--router-args`` names no
+    key of its own: the router sends its ``--api-key`` to the workers on its own requests (health
+    checks, kv_aware's ``/get_server_info`` and ``/v1/loads``), as sglang-router does, so without it
+    a keyed fleet's router could not read its workers. Clients already need K (the instances check it)."""
+    if _flag_value(shlex.split(args.router_args), "--api-key") is not None:
+        return []
+    key = _flag_value(instance_args, "--api-key")
+    return ["--api-key", key] if key else []
+
+
 def curl_example(url: str, key: str | None) -> str:
     """The greedy chat request ``launch`` prints once the router is ready (with the key when one is needed)."""
     auth = f" -H 'Authorization: Bearer {key}'" if key else ""
@@ -267,7 +278,8 @@ def router_argv(args: argparse.Namespace, instance_args: list[str]) -> list[str]
     last = (["--host", args.router_host, "--port", str(args.port)] if getattr(args, "router_address_set", False)
             else [])
     return ["--host", args.host, "--port", str(args.port), "--policy", args.policy, "--worker-urls", *urls,
-            *router_tokenizer_args(args, instance_args), *shlex.split(args.router_args), *last]
+            *router_tokenizer_args(args, instance_args), *router_key_args(args, instance_args),
+            *shlex.split(args.router_args), *last]
 
 
 # The example printed once the fleet is up: greedy (temperature 0) so that the first answer
@@ -286,9 +298,11 @@ def progress(line: str) -> None:
     print(f"[launch] {line}", file=sys.stderr, flush=True)
 
 
-def _http(url: str, method: str = "GET", timeout: float = 2.0) -> int:
-    """Status code of a bodiless request, 0 when unreachable."""
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+def _http(url: str, method: str = "GET", timeout: float = 2.0, key: str | None = None) -> int:
+    """Status code of a bodiless request (with ``Authorization: Bearer key`` when a key is given),
+    0 when unreachable."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status
@@ -379,7 +393,8 @@ class Launcher:
                 if not w.alive():
                     w.pending_since = None  # died again during restart: handled below
                 elif _http(w.url + "/health") == 200:
-                    status = _http(f"{self.router_url}/add_worker?url={w.url}", "POST", timeout=30)
+                    status = _http(f"{self.router_url}/add_worker?url={w.url}", "POST", timeout=30,
+                                   key=self.client_key)
                     print(f"[launch] {w.name} back: re-registered with the router (status {status})", flush=True)
                     w.pending_since = None
                     continue
@@ -389,7 +404,7 @@ class Launcher:
                 continue
             print(f"[launch] {w.name} (pid {w.proc.pid}) exited with code {w.proc.returncode}", flush=True)
             w.signal_group(signal.SIGKILL)  # its scheduler processes, if any are left
-            _http(f"{self.router_url}/remove_worker?url={w.url}", "POST", timeout=10)
+            _http(f"{self.router_url}/remove_worker?url={w.url}", "POST", timeout=10, key=self.client_key)
             if self.args.restart_workers:
                 w.restarts += 1
                 w.start()
