@@ -49,7 +49,9 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   cached system prompt or a 62-token history to skip a queue of about as many
   tokens (docs/router.md).
 
-Lowest cost wins; ties go to the fewest in-flight requests, then to the target this policy
+Lowest cost wins, unless the idle rule (:func:`idle_rule`, ``--kv-balance-abs-threshold`` /
+``--kv-balance-rel-threshold``) moves the request to an idle target on which it would wait much
+less; ties go to the fewest in-flight requests, then to the target this policy
 chose least recently (one never chosen first; among those, registration order).  So sequential
 new prompts with nothing in flight and nothing cached spread over the workers in turn instead of
 all going to the first one (sglang-router's cache_aware spreads such misses to its smallest tree;
