@@ -36,6 +36,12 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                    help="kv_aware: cost per uncached prompt token still waiting for prefill on a target (this "
                         "router's requests before their first answer bytes; the engine's /v1/loads "
                         "num_waiting_uncached_tokens), times --kv-prefill-weight (default 0.5; 0: off; docs/router.md)")
+    g.add_argument("--kv-balance-abs-threshold", type=float, default=d.kv_balance_abs_threshold,
+                   help="kv_aware: the idle rule moves a request off its lowest-cost target to an idle one only "
+                        "when its estimated wait there is longer by more than this many tokens (default 160; "
+                        "sglang-router's cache_aware balance test, on waits; docs/router.md)")
+    g.add_argument("--kv-balance-rel-threshold", type=float, default=d.kv_balance_rel_threshold,
+                   help="kv_aware: ... and more than this many times as long (default 1.2; 0: the idle rule is off)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")
@@ -62,6 +68,10 @@ def validate(cfg) -> None:
         raise ValueError("--kv-overflow-weight must be >= 0")
     if cfg.kv_queue_weight < 0:
         raise ValueError("--kv-queue-weight must be >= 0")
+    if cfg.kv_balance_abs_threshold < 0:
+        raise ValueError("--kv-balance-abs-threshold must be >= 0")
+    if cfg.kv_balance_rel_threshold != 0 and cfg.kv_balance_rel_threshold < 1:
+        raise ValueError("--kv-balance-rel-threshold must be 0 (off) or >= 1")
     if cfg.kv_speculative_ttl_secs < 0:
         raise ValueError("--kv-speculative-ttl-secs must be >= 0")
     if cfg.kv_loads_interval_secs < 0:
@@ -96,4 +106,6 @@ def make_kv_aware(cfg):
         raise ValueError(f"--tokenizer-path {cfg.tokenizer_path}: {e}") from None
     return KvAwarePolicy(cfg.kv_prefill_weight, cfg.kv_load_weight, cfg.kv_speculative_ttl_secs,
                          cfg.kv_index_max_blocks, cfg.dp_aware, tok, route_header=not cfg.no_route_header,
-                         overflow_weight=cfg.kv_overflow_weight, queue_weight=cfg.kv_queue_weight)
+                         overflow_weight=cfg.kv_overflow_weight, queue_weight=cfg.kv_queue_weight,
+                         balance_abs_threshold=cfg.kv_balance_abs_threshold,
+                         balance_rel_threshold=cfg.kv_balance_rel_threshold)

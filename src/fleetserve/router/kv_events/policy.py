@@ -49,7 +49,9 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   cached system prompt or a 62-token history to skip a queue of about as many
   tokens (docs/router.md).
 
-Lowest cost wins; ties go to the fewest in-flight requests, then to the target this policy
+Lowest cost wins, unless the idle rule (:func:`idle_rule`, ``--kv-balance-abs-threshold`` /
+``--kv-balance-rel-threshold``) moves the request to an idle target on which it would wait much
+less; ties go to the fewest in-flight requests, then to the target this policy
 chose least recently (one never chosen first; among those, registration order).  So sequential
 new prompts with nothing in flight and nothing cached spread over the workers in turn instead of
 all going to the first one (sglang-router's cache_aware spreads such misses to its smallest tree;
@@ -92,6 +94,8 @@ _NONE: dict = {}  # no index match (never written)
 TEXT = "text"  # the fallback reason of a request without token ids
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
+IDLE_ABS_THRESHOLD = 160.0  # --kv-balance-abs-threshold: wait gap, in cost units (tokens), before the idle rule moves
+IDLE_REL_THRESHOLD = 1.2  # --kv-balance-rel-threshold: wait ratio before the idle rule moves (0: off)
 
 
 class RouteKey:
@@ -218,6 +222,27 @@ def _pending_prefix(tokens: list[int], limit: int, queued_keys, text: str | None
     return best
 
 
+def idle_rule(best_wait: float, idle_wait: float, abs_threshold: float, rel_threshold: float) -> bool:
+    """Whether a request leaves the lowest-cost target, whose estimated wait to its first token is
+    ``best_wait``, for an idle target (nothing of this router in flight there, no prefill queued)
+    whose wait is ``idle_wait``; both in cost units (tokens of prefill at ``--kv-prefill-weight``)::
+
+        wait(t) = --kv-prefill-weight x (prompt_tokens - cached_tokens(t) + queued_prefill(t))
+                + --kv-load-weight x load_tokens(t)
+
+        move  iff  rel > 0  and  best_wait - idle_wait > abs  and  best_wait > rel x idle_wait
+
+    The form is sglang-router's cache_aware balance test (imbalanced when ``max - min >
+    --balance-abs-threshold`` and ``max > --balance-rel-threshold x min``), applied to the estimated
+    wait instead of in-flight request counts, and only towards an idle target: there the request's
+    own uncached tokens delay nobody (the cost counts them also as work that delays the requests
+    after it, which an idle core does not have), so only its wait matters.  The defaults
+    (:data:`IDLE_ABS_THRESHOLD`, :data:`IDLE_REL_THRESHOLD`) are ours, from the states of
+    docs/benchmarks.md ``routing-kv-engine-2`` (docs/router.md, the idle rule).
+    """
+    return rel_threshold > 0 and best_wait - idle_wait > abs_threshold and best_wait > rel_threshold * idle_wait
+
+
 class KvAwarePolicy:
     """See the module docstring.  ``select`` runs on the event loop; events arrive on threads."""
 
@@ -226,8 +251,12 @@ class KvAwarePolicy:
     def __init__(self, prefill_weight: float = 1.0, load_weight: float = 0.1, speculative_ttl_s: float = 2.0,
                  max_blocks: int = 1 << 20, dp_aware: bool = False, tokenizer: RouterTokenizer | None = None,
                  tokenize_threads: int = 2, route_header: bool = True, overflow_weight: float = 0.0,
-                 queue_weight: float = 0.5) -> None:
+                 queue_weight: float = 0.5, balance_abs_threshold: float = IDLE_ABS_THRESHOLD,
+                 balance_rel_threshold: float = IDLE_REL_THRESHOLD) -> None:
         self.route_header = route_header
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold  # 0: the idle rule is off
+        self.idle_moves = 0  # decisions the idle rule moved to an idle target (see idle_rule)
         self.overflow_weight = overflow_weight
         self.queue_weight = queue_weight
         self.prefill_weight = prefill_weight
@@ -325,6 +354,9 @@ class KvAwarePolicy:
         queued_keys_of = self.queued_keys
         block_size_of = self._block_size
         terms = [] if log.isEnabledFor(logging.DEBUG) else None  # each target's cost terms, for the debug log
+        idle_on = self.balance_rel_threshold > 0 and len(targets) > 1
+        idle_best = None  # (wait, order, w, rank, branch, cached, reason) of the idle target that waits least
+        best_wait = 0.0
         for order, (w, rank, ranks) in enumerate(targets):
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
@@ -379,9 +411,22 @@ class KvAwarePolicy:
                 terms.append(f"{tenant} {branch} cached={cached} queued={queued} load={load} (router {mine}, "
                              f"engine {'-' if seen is None else seen}) reqs={reqs} cost={cost:.1f}")
             score = (cost, reqs, chosen_at.get(lk, -1), order)  # ties: least recently chosen
+            if idle_on:
+                wait = prefill_weight * (uncached + queued) + load_weight * load
+                if not reqs and not queued and (idle_best is None or wait < idle_best[0]):
+                    idle_best = (wait, order, w, rank, branch, cached, reason)
             if best is None or score < best[0]:
                 best = (score, w, rank, branch, cached, reason)
-        _, w, rank, branch, cached, reason = best
+                if idle_on:
+                    best_wait = wait
+        score, w, rank, branch, cached, reason = best
+        if (idle_best is not None and idle_best[1] != score[3]
+                and idle_rule(best_wait, idle_best[0], self.balance_abs_threshold, self.balance_rel_threshold)):
+            if terms is not None:
+                terms.append(f"idle rule: wait {best_wait:.1f} on {w.url} against {idle_best[0]:.1f} on the idle "
+                             f"{idle_best[2].url}: moved")
+            self.idle_moves += 1
+            _, _, w, rank, branch, cached, reason = idle_best
         if terms is not None:
             log.debug("kv_aware cost: prompt=%d decode=%d | %s", prompt_tokens, decode_tokens, " | ".join(terms))
         key.target, key.rank, key.branch, key.cached = (w.url, rank), rank, branch, cached
