@@ -133,7 +133,8 @@ def queue_growth(starts: Sequence[float], ttfts: Sequence[float]) -> dict:
 
 
 def window_figures(starts: Sequence[float], ttfts: Sequence[float], prompts: Sequence[int],
-                   cached: Sequence[int], marks: Sequence[float]) -> list[dict]:
+                   cached: Sequence[int], marks: Sequence[float], groups: Sequence[str] | None = None,
+                   workers: Sequence[str | None] | None = None) -> list[dict]:
     """Figures of the run cut at shares ``marks`` of its arrival window (what a shorter run would show).
 
     For each mark ``m`` (0 < m <= 1, ascending), ``t = m x`` the last arrival: ``backlog`` at ``t``
@@ -141,7 +142,11 @@ def window_figures(starts: Sequence[float], ttfts: Sequence[float], prompts: Seq
     ended at ``t``) their count ``arrived``, TTFT p90 ``p90_s`` (linear-interpolated, successes only,
     None when none) and ``failed`` (no first token, ``ttft`` inf); over the requests that arrived in
     ``(t_prev, t]`` only (the segment) ``seg_p90_s`` and ``seg_hit`` (cached / prompt tokens of its
-    successes). ``starts``, ``ttfts``: s; ``prompts``, ``cached``: tokens per request.
+    successes). ``starts``, ``ttfts``: s; ``prompts``, ``cached``: tokens per request. With ``groups``
+    (a conversation per request) and ``workers`` (the worker that served it, None if unknown) also
+    ``seg_moved``: of the segment's requests whose conversation had an earlier request (by arrival),
+    the share served by another worker than that earlier one (a later turn leaving its history's
+    cache; None when the segment has no such request).
 
     The cut is causal: what happens to a request depends on the arrivals before it, and the sim-workers
     schedule FIFO, so the figures up to ``t`` are close to those of a run whose window ends at ``t`` (it
@@ -158,6 +163,12 @@ def window_figures(starts: Sequence[float], ttfts: Sequence[float], prompts: Seq
     if not starts:
         return []
     t_end, out, prev = max(starts), [], -math.inf
+    before: list[str | None] = [None] * len(starts)  # the worker of the conversation's previous request
+    if groups is not None and workers is not None:
+        last: dict[str, str | None] = {}
+        for i in sorted(range(len(starts)), key=lambda i: starts[i]):
+            before[i] = last.get(groups[i])
+            last[groups[i]] = workers[i]
     for m in marks:
         t = m * t_end
 
@@ -171,10 +182,13 @@ def window_figures(starts: Sequence[float], ttfts: Sequence[float], prompts: Seq
             return float(np.percentile(ok, 90)) if ok else None
 
         okseg = [i for i in seg if math.isfinite(ttfts[i])]
+        follow = [i for i in seg if before[i] is not None and workers is not None and workers[i] is not None]
         ptok = sum(prompts[i] for i in okseg)
         out.append({"share": m, "t": t, "arrived": len(cum), "backlog": backlog(starts, ttfts, t),
                     "p90_s": p90(cum), "failed": sum(1 for i in cum if not math.isfinite(ttfts[i])),
-                    "seg_p90_s": p90(seg), "seg_hit": sum(cached[i] for i in okseg) / ptok if ptok else 0.0})
+                    "seg_p90_s": p90(seg), "seg_hit": sum(cached[i] for i in okseg) / ptok if ptok else 0.0,
+                    "seg_moved": (sum(1 for i in follow if workers[i] != before[i]) / len(follow)
+                                  if follow else None)})
         prev = t
     return out
 
@@ -273,7 +287,8 @@ def _window_rows(s: dict, marks: Sequence[float]) -> list[dict]:
     rq = s["requests"]
     return window_figures([r["start"] for r in rq],
                           [r["ttft"] if r["ttft"] and r["ttft"] > 0 else math.inf for r in rq],
-                          [r["prompt"] or 0 for r in rq], [r["cached"] or 0 for r in rq], marks)
+                          [r["prompt"] or 0 for r in rq], [r["cached"] or 0 for r in rq], marks,
+                          [str(r["rid"]).split("-t")[0] for r in rq], [r.get("worker") for r in rq])
 
 
 def rate_part(a: argparse.Namespace) -> None:
@@ -434,8 +449,8 @@ def window_table(res: dict) -> str:
     if not rows:
         return ""
     out = ["| rate (req/s) | run | router | cut at (s) | arrived | backlog at cut | TTFT p90 up to cut (ms) | "
-           "p90 / cache_aware's | segment hit rate | segment p90 (ms) | failed |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "p90 / cache_aware's | segment hit rate | segment moved | segment p90 (ms) | failed |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.0f}"
@@ -446,8 +461,9 @@ def window_table(res: dict) -> str:
         for j, w in enumerate(r["windows"]):
             rw = ref["windows"][j] if ref and j < len(ref["windows"]) else None
             ratio = (f"{w['p90_s'] / rw['p90_s']:.2f}x" if rw and rw.get("p90_s") and w.get("p90_s") else "-")
+            moved = "-" if w.get("seg_moved") is None else f"{w['seg_moved']:.0%}"
             out.append(f"| {r['rate']:.1f} | {r.get('rep', 0) + 1} | {r['label']} | {w['t']:.1f} | {w['arrived']} | "
-                       f"{w['backlog']} | {ms(w['p90_s'])} | {ratio} | {w['seg_hit']:.1%} | {ms(w['seg_p90_s'])} | "
+                       f"{w['backlog']} | {ms(w['p90_s'])} | {ratio} | {w['seg_hit']:.1%} | {moved} | {ms(w['seg_p90_s'])} | "
                        f"{w['failed']} |")
     return "\n".join(out)
 
@@ -524,7 +540,9 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
                  "the requests that arrived by then (the run as if its window had ended there: what happens to a "
                  "request depends only on earlier arrivals, and the sims schedule FIFO); **backlog at cut**: "
                  "requests arrived and still without a first token then; **segment**: the requests that arrived "
-                 "between the previous cut and this one.", "", wt, ""]
+                 "between the previous cut and this one; **segment moved**: of those whose conversation had an earlier "
+                 "request, the share served by another worker than that earlier request (a turn leaving its "
+                 "history's cache; `-`: not recorded).", "", wt, ""]
     cmd = "python benchmarks/routing_experiment.py kv " + " ".join(shlex.quote(x) for x in a.argv)
     write_section(a.section, a.title, cmd.strip(), "\n".join(body))
 

@@ -201,3 +201,17 @@ def test_window_table_pairs_each_cut_with_cache_aware_at_the_same_cut(rr):
     kv = [ln.split(" | ") for ln in lines[2:] if "kv_aware" in ln]
     assert [(c[3], c[7]) for c in kv] == [("3.0", "0.50x"), ("6.0", "0.10x"), ("3.0", "0.20x"), ("6.0", "0.10x")]
     assert rr.window_table({"rows": [_row("kv_aware", 60.0, 0, 0.1)]}) == ""  # no cuts: no table
+
+
+def test_window_figures_seg_moved_counts_turns_served_away_from_their_previous_worker(rr):
+    # conversation a: w1, w1, w2 (moved); b: w2, w2; c: w1 (first turn: not counted)
+    starts = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    groups = ["a", "b", "a", "b", "a", "c"]
+    workers = ["w1", "w2", "w1", "w2", "w2", "w1"]
+    w = rr.window_figures(starts, [0.1] * 6, [1] * 6, [0] * 6, [0.5, 1.0], groups, workers)
+    assert w[0]["seg_moved"] == 0.0  # a-t1 (2.0) stayed on w1
+    assert w[1]["seg_moved"] == pytest.approx(1 / 2)  # b-t1 stayed, a-t2 moved w1 -> w2; c-t0 has no earlier
+    assert rr.window_figures(starts, [0.1] * 6, [1] * 6, [0] * 6, [0.3])[0]["seg_moved"] is None  # no workers
+    row = _row("kv_aware", 60.0, 0, 0.1)
+    row["windows"] = w
+    assert "| 50% |" in rr.window_table({"rows": [row]}).splitlines()[-1]
