@@ -29,6 +29,8 @@ stream: the first quarter is all misses. ``--mt-stagger G`` (:func:`stagger`) in
 the conversations instead (conversation c's turn t in arrival slot c + t x G), so every
 stretch of the window holds the same mix of turns and a rate over capacity stays over it.
 ``--repeats N`` runs every (rate, router) cell of the table N times, interleaved.
+``--window-marks 0.33 0.67 1`` also cuts every run at those shares of its arrival window
+(:func:`window_figures`): backlog and TTFT p90 against the window length from one long run.
 
 A backlog over capacity grows linearly with the arrival window, so its p90 depends on
 the run length: the table states the window (model seconds) of every rate.
@@ -130,6 +132,67 @@ def queue_growth(starts: Sequence[float], ttfts: Sequence[float]) -> dict:
     return {"window_s": t_end, "mid": mid, "end": end, "peak": peak, "growth": end - mid}
 
 
+def window_figures(starts: Sequence[float], ttfts: Sequence[float], prompts: Sequence[int],
+                   cached: Sequence[int], marks: Sequence[float], groups: Sequence[str] | None = None,
+                   workers: Sequence[str | None] | None = None) -> list[dict]:
+    """Figures of the run cut at shares ``marks`` of its arrival window (what a shorter run would show).
+
+    For each mark ``m`` (0 < m <= 1, ascending), ``t = m x`` the last arrival: ``backlog`` at ``t``
+    (:func:`backlog`), and over the requests that arrived by ``t`` (cumulative: the run as if its window
+    ended at ``t``) their count ``arrived``, TTFT p90 ``p90_s`` (linear-interpolated, successes only,
+    None when none) and ``failed`` (no first token, ``ttft`` inf); over the requests that arrived in
+    ``(t_prev, t]`` only (the segment) ``seg_p90_s`` and ``seg_hit`` (cached / prompt tokens of its
+    successes). ``starts``, ``ttfts``: s; ``prompts``, ``cached``: tokens per request. With ``groups``
+    (a conversation per request) and ``workers`` (the worker that served it, None if unknown) also
+    ``seg_moved``: of the segment's requests whose conversation had an earlier request (by arrival),
+    the share served by another worker than that earlier one (a later turn leaving its history's
+    cache; None when the segment has no such request).
+
+    The cut is causal: what happens to a request depends on the arrivals before it, and the sim-workers
+    schedule FIFO, so the figures up to ``t`` are close to those of a run whose window ends at ``t`` (it
+    differs only in the ramp-down of a staggered stream's last slots and in what the later arrivals take
+    from the backlog's prefill).
+
+    Raises:
+        ValueError: a mark outside (0, 1], or marks not ascending.
+    """
+    import numpy as np
+
+    if any(not 0 < m <= 1 for m in marks) or list(marks) != sorted(marks):
+        raise ValueError(f"window marks must be ascending shares in (0, 1], got {list(marks)}")
+    if not starts:
+        return []
+    t_end, out, prev = max(starts), [], -math.inf
+    before: list[str | None] = [None] * len(starts)  # the worker of the conversation's previous request
+    if groups is not None and workers is not None:
+        last: dict[str, str | None] = {}
+        for i in sorted(range(len(starts)), key=lambda i: starts[i]):
+            before[i] = last.get(groups[i])
+            last[groups[i]] = workers[i]
+    for m in marks:
+        t = m * t_end
+
+        def sel(lo: float) -> list[int]:
+            return [i for i, s in enumerate(starts) if lo < s <= t]
+
+        cum, seg = sel(-math.inf), sel(prev)
+
+        def p90(ix: list[int]) -> float | None:
+            ok = [ttfts[i] for i in ix if math.isfinite(ttfts[i])]
+            return float(np.percentile(ok, 90)) if ok else None
+
+        okseg = [i for i in seg if math.isfinite(ttfts[i])]
+        follow = [i for i in seg if before[i] is not None and workers is not None and workers[i] is not None]
+        ptok = sum(prompts[i] for i in okseg)
+        out.append({"share": m, "t": t, "arrived": len(cum), "backlog": backlog(starts, ttfts, t),
+                    "p90_s": p90(cum), "failed": sum(1 for i in cum if not math.isfinite(ttfts[i])),
+                    "seg_p90_s": p90(seg), "seg_hit": sum(cached[i] for i in okseg) / ptok if ptok else 0.0,
+                    "seg_moved": (sum(1 for i in follow if workers[i] != before[i]) / len(follow)
+                                  if follow else None)})
+        prev = t
+    return out
+
+
 def sustained(q: dict, n_requests: int, tol: float = 0.03, floor: int = 4) -> bool:
     """A probe kept up when, at the last arrival, at most ``max(floor, tol * n_requests)`` requests
     were still waiting for their first token (``q["end"]`` of :func:`queue_growth`).
@@ -217,6 +280,17 @@ def _row_figures(s: dict) -> dict:
     return queue_growth(starts, ttfts)
 
 
+def _window_rows(s: dict, marks: Sequence[float]) -> list[dict]:
+    """:func:`window_figures` of one run summary (``s["requests"]``), ``[]`` without marks."""
+    if not marks:
+        return []
+    rq = s["requests"]
+    return window_figures([r["start"] for r in rq],
+                          [r["ttft"] if r["ttft"] and r["ttft"] > 0 else math.inf for r in rq],
+                          [r["prompt"] or 0 for r in rq], [r["cached"] or 0 for r in rq], marks,
+                          [str(r["rid"]).split("-t")[0] for r in rq], [r.get("worker") for r in rq])
+
+
 def rate_part(a: argparse.Namespace) -> None:
     import routing_kv as rk
     from routing_experiment import RESULTS, start, stop, wait_healthy
@@ -237,6 +311,8 @@ def rate_part(a: argparse.Namespace) -> None:
         raise SystemExit(f"kv --rates: --repeats must be >= 1, got {a.repeats}")
     if a.mt_stagger < 0:
         raise SystemExit(f"kv --rates: --mt-stagger must be >= 0, got {a.mt_stagger}")
+    if any(not 0 < m <= 1 for m in a.window_marks) or a.window_marks != sorted(a.window_marks):
+        raise SystemExit(f"kv --rates: --window-marks must be ascending shares in (0, 1], got {a.window_marks}")
     name = a.scenarios[0]
     if a.rates == ["render"]:  # rewrite the doc section from the results file of an earlier run
         write_rate_doc(a, json.loads((RESULTS / f"{a.section}.json").read_text()))
@@ -272,6 +348,7 @@ def rate_part(a: argparse.Namespace) -> None:
                           watch_every=a.watch_every)
         s["rate"] = rate
         s["queue"] = _row_figures(s)
+        s["windows"] = _window_rows(s, a.window_marks)
         print(f"    rate {rate:.1f}: backlog mid {s['queue']['mid']} end {s['queue']['end']} peak "
               f"{s['queue']['peak']}  workers waiting max {s.get('worker_waiting_max')}  "
               f"utilisation {s.get('utilisation', 0):.0%}", flush=True)
@@ -365,6 +442,32 @@ def rate_table(res: dict) -> str:
     return "\n".join(out)
 
 
+def window_table(res: dict) -> str:
+    """Markdown: per (rate, repeat, router) the run cut at each window mark (:func:`window_figures`),
+    with the p90 over the same repeat's cache_aware row cut at the same mark; "" when no row has cuts."""
+    rows = [r for r in res["rows"] if r.get("windows")]
+    if not rows:
+        return ""
+    out = ["| rate (req/s) | run | router | cut at (s) | arrived | backlog at cut | TTFT p90 up to cut (ms) | "
+           "p90 / cache_aware's | segment hit rate | segment moved | segment p90 (ms) | failed |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.0f}"
+
+    for r in sorted(rows, key=lambda r: (r["rate"], r.get("rep", 0), r["label"])):
+        ref = next((x for x in rows if x["label"] == "cache_aware (ours)" and x["rate"] == r["rate"]
+                    and x.get("rep", 0) == r.get("rep", 0)), None)
+        for j, w in enumerate(r["windows"]):
+            rw = ref["windows"][j] if ref and j < len(ref["windows"]) else None
+            ratio = (f"{w['p90_s'] / rw['p90_s']:.2f}x" if rw and rw.get("p90_s") and w.get("p90_s") else "-")
+            moved = "-" if w.get("seg_moved") is None else f"{w['seg_moved']:.0%}"
+            out.append(f"| {r['rate']:.1f} | {r.get('rep', 0) + 1} | {r['label']} | {w['t']:.1f} | {w['arrived']} | "
+                       f"{w['backlog']} | {ms(w['p90_s'])} | {ratio} | {w['seg_hit']:.1%} | {moved} | {ms(w['seg_p90_s'])} | "
+                       f"{w['failed']} |")
+    return "\n".join(out)
+
+
 def probe_table(res: dict) -> str:
     out = ["| probe | router | rate (req/s) | sustained | backlog mid / end | hit rate | TTFT p90 (ms) | "
            "busy | sim late | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -429,6 +532,17 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
                              f"{side(res['brackets'][k][1])})" for k, v in caps.items()) + ".", ""]
     body += [f"### Every router at every rate ({res['scenario']}, order alternating per rate)", "",
              rate_table(res), ""]
+    wt = window_table(res)
+    if wt:
+        body += ["### Backlog and TTFT p90 against the arrival window (each run cut at shares "
+                 f"{', '.join(f'{m:g}' for m in a.window_marks)} of its window)", "",
+                 "**cut at**: model s after the first arrival; **arrived**, **TTFT p90 up to cut**, **failed**: over "
+                 "the requests that arrived by then (the run as if its window had ended there: what happens to a "
+                 "request depends only on earlier arrivals, and the sims schedule FIFO); **backlog at cut**: "
+                 "requests arrived and still without a first token then; **segment**: the requests that arrived "
+                 "between the previous cut and this one; **segment moved**: of those whose conversation had an earlier "
+                 "request, the share served by another worker than that earlier request (a turn leaving its "
+                 "history's cache; `-`: not recorded).", "", wt, ""]
     cmd = "python benchmarks/routing_experiment.py kv " + " ".join(shlex.quote(x) for x in a.argv)
     write_section(a.section, a.title, cmd.strip(), "\n".join(body))
 
@@ -451,4 +565,7 @@ def add_arguments(k: argparse.ArgumentParser) -> None:
                    help="table: runs of every (rate, router) cell, interleaved (the router order alternates)")
     g.add_argument("--mt-stagger", type=int, default=0,
                    help="multi_turn: conversation c's turn t in arrival slot c + t x this (0: turn-major); see stagger()")
+    g.add_argument("--window-marks", type=float, nargs="+", default=[],
+                   help="table: also cut every run at these shares of its arrival window (ascending, in (0, 1], "
+                        "e.g. 0.33 0.67 1): backlog and TTFT p90 against the window length; see window_figures()")
     g.add_argument("--watch-every", type=float, default=2.0, help="seconds between polls of the workers' queues")

@@ -5,6 +5,7 @@ import math
 import os
 import random
 
+import numpy as np
 import pytest
 
 from fleetserve.bench import workloads
@@ -147,3 +148,70 @@ def test_rate_table_pairs_each_repeat_with_its_own_cache_aware_row(rr):
     old = _row("kv_aware", 60.0, 0, 0.1)
     del old["rep"], old["bound_hit_rate"]  # a results file from before the columns: still renders
     assert " | - | " in rr.rate_table({"rows": [old]}).splitlines()[2]
+
+
+def test_window_figures_cut_a_fifo_over_capacity_and_its_backlog_grows(rr):
+    n, mu = 600, 100.0
+    arr = rr.poisson_arrivals(n, 1.3 * mu, seed=5)  # 30% over capacity: the queue grows with the window
+    tt = fifo_ttfts(arr, 1 / mu)
+    w = rr.window_figures(arr, tt, [100] * n, [40] * n, [1 / 3, 2 / 3, 1.0])
+    assert [x["share"] for x in w] == [1 / 3, 2 / 3, 1.0]
+    assert w[-1]["t"] == arr[-1] and w[-1]["arrived"] == n
+    assert [x["arrived"] for x in w] == [sum(1 for s in arr if s <= x["t"]) for x in w]
+    assert [x["backlog"] for x in w] == [rr.backlog(arr, tt, x["t"]) for x in w]
+    b = [x["backlog"] for x in w]
+    assert b[0] < b[1] < b[2] and b[2] > 0.15 * n  # ~ (1.3 - 1) / 1.3 of the arrivals left
+    p = [x["p90_s"] for x in w]
+    assert p[0] < p[1] < p[2]
+    assert w[-1]["p90_s"] == pytest.approx(float(np.percentile(tt, 90)))
+    assert all(x["seg_hit"] == pytest.approx(0.4) and x["failed"] == 0 for x in w)
+    # below capacity the backlog stays small at every cut
+    arr2 = rr.poisson_arrivals(n, 0.6 * mu, seed=5)
+    assert max(x["backlog"] for x in rr.window_figures(arr2, fifo_ttfts(arr2, 1 / mu), [1] * n, [0] * n,
+                                                       [0.5, 1.0])) <= 6
+
+
+def test_window_figures_segments_and_failed_requests(rr):
+    starts = [0.0, 1.0, 2.0, 3.0, 4.0]
+    ttfts = [0.1, 0.2, math.inf, 0.4, 0.5]  # the third never got a first token
+    w = rr.window_figures(starts, ttfts, [10, 10, 10, 10, 20], [10, 0, 10, 5, 10], [0.5, 1.0])
+    assert [x["arrived"] for x in w] == [3, 5]  # cut at 2.0 (inclusive), 4.0
+    assert [x["failed"] for x in w] == [1, 1]
+    assert w[0]["backlog"] == 1  # the failed one, still waiting at 2.0
+    assert w[0]["seg_hit"] == pytest.approx(10 / 20)  # successes 0 and 1 only
+    assert w[1]["seg_hit"] == pytest.approx(15 / 30)  # 3 and 4 (the segment after 2.0)
+    assert w[1]["seg_p90_s"] == pytest.approx(0.49)  # linear between 0.4 and 0.5
+    assert rr.window_figures([], [], [], [], [1.0]) == []
+    for bad in ([0.0], [1.5], [0.7, 0.3]):
+        with pytest.raises(ValueError, match="window marks"):
+            rr.window_figures(starts, ttfts, [1] * 5, [0] * 5, bad)
+
+
+def test_window_table_pairs_each_cut_with_cache_aware_at_the_same_cut(rr):
+    def wrow(label, rep, p90s):
+        r = _row(label, 60.0, rep, p90s[-1])
+        r["windows"] = [{"share": m, "t": 6.0 * m, "arrived": 100 * (j + 1), "backlog": 3 * (j + 1), "p90_s": p,
+                         "failed": 0, "seg_p90_s": p, "seg_hit": 0.5} for j, (m, p) in enumerate(zip((0.5, 1.0), p90s))]
+        return r
+
+    res = {"rows": [wrow("cache_aware (ours)", 0, [0.4, 1.0]), wrow("kv_aware", 0, [0.2, 0.1]),
+                    wrow("cache_aware (ours)", 1, [0.5, 2.0]), wrow("kv_aware", 1, [0.1, 0.2])]}
+    lines = rr.window_table(res).splitlines()
+    assert "| cut at (s) |" in lines[0]
+    kv = [ln.split(" | ") for ln in lines[2:] if "kv_aware" in ln]
+    assert [(c[3], c[7]) for c in kv] == [("3.0", "0.50x"), ("6.0", "0.10x"), ("3.0", "0.20x"), ("6.0", "0.10x")]
+    assert rr.window_table({"rows": [_row("kv_aware", 60.0, 0, 0.1)]}) == ""  # no cuts: no table
+
+
+def test_window_figures_seg_moved_counts_turns_served_away_from_their_previous_worker(rr):
+    # conversation a: w1, w1, w2 (moved); b: w2, w2; c: w1 (first turn: not counted)
+    starts = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    groups = ["a", "b", "a", "b", "a", "c"]
+    workers = ["w1", "w2", "w1", "w2", "w2", "w1"]
+    w = rr.window_figures(starts, [0.1] * 6, [1] * 6, [0] * 6, [0.5, 1.0], groups, workers)
+    assert w[0]["seg_moved"] == 0.0  # a-t1 (2.0) stayed on w1
+    assert w[1]["seg_moved"] == pytest.approx(1 / 2)  # b-t1 stayed, a-t2 moved w1 -> w2; c-t0 has no earlier
+    assert rr.window_figures(starts, [0.1] * 6, [1] * 6, [0] * 6, [0.3])[0]["seg_moved"] is None  # no workers
+    row = _row("kv_aware", 60.0, 0, 0.1)
+    row["windows"] = w
+    assert "| 50% |" in rr.window_table({"rows": [row]}).splitlines()[-1]
