@@ -77,8 +77,9 @@ def write(args, argv, results, notes, modes, levels, nreq, rev, head, have_llama
                         f"{f'{n / b:.2f}x' if b and n else '-'} | {fmt(ll) if c == min(levels) else '-'} | "
                         f"{f'{n / ll:.2f}x' if ll and n else '-'} | {loads((mode, 'new', c))} | {retr} |")
     body = "\n".join([
-        f"base = `{rev}` (before this change), new = `{head}`"
-        f"{f' with `{args.new_args}`' if args.new_args else ''}; {args.threads} threads each "
+        f"base = `{rev}`{f' with `{args.base_args}`' if args.base_args else ' (before this change)'}, new = `{head}`"
+        f"{f' with `{args.new_args}`' if args.new_args else ''}{f' and env `{args.new_env}`' if args.new_env else ''}; "
+        f"{args.threads} threads each "
         f"(`--torch-num-threads {args.threads}`, llama-server `-t {args.threads} -tb {args.threads}`), "
         f"{args.max_new_tokens} output tokens per request, median of {args.rounds} rounds, systems in "
         f"rotating order at each level. llama-server: `{ss.llama_server_version(args.llama_server) if have_llama else 'not run'}`"
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--section", default="engine-c1-speed-ab")
     ap.add_argument("--new-args", default="", help="more `fleetserve serve` flags for the new server only "
                                                    "(e.g. '--enable-torch-compile --torch-compile-max-bs 1')")
+    ap.add_argument("--base-args", default="", help="more `fleetserve serve` flags for the base server only")
+    ap.add_argument("--new-env", default="", help="environment for the new server only, `KEY=VALUE,...` "
+                                                  "(e.g. 'TORCHINDUCTOR_CPP_WRAPPER=1')")
     ap.add_argument("--start-timeout", type=float, default=600, help="seconds a server may take to start")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
@@ -124,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     try:
         for mode in modes:
+            new_env = dict(kv.split("=", 1) for kv in args.new_env.split(",") if kv)
             servers = {"base": ss.fleetserve_server(path, mode, args.threads, wait=False, src=base_src,
-                                                    name=f"base {mode}"),
+                                                    name=f"base {mode}", extra_args=shlex.split(args.base_args)),
                        "new": ss.fleetserve_server(path, mode, args.threads, wait=False, name=f"new {mode}",
-                                                   extra_args=shlex.split(args.new_args))}
+                                                   extra_args=shlex.split(args.new_args), extra_env=new_env)}
             try:
                 for srv in servers.values():
                     ss.wait_ready(srv, args.start_timeout)

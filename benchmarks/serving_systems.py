@@ -104,16 +104,17 @@ def stop(server: Server) -> None:
 
 def fleetserve_server(model_path: str, quantization: str, threads: int, timeout_s: float = 600,
                       wait: bool = True, src: str | None = None, name: str | None = None,
-                      extra_args: list[str] | tuple[str, ...] = ()) -> Server:
+                      extra_args: list[str] | tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> Server:
     """``fleetserve serve`` with ``--quantization quantization --torch-num-threads threads`` (one rank).
 
     ``extra_args``: more ``fleetserve serve`` flags (e.g. ``--enable-torch-compile``).
     ``wait=False``: return at once (call :func:`wait_ready` later), so several start together.
     ``src``: the ``src`` folder to run fleetserve from (default: this checkout's), e.g. an older
-    revision's for an A/B run; ``name``: the server's display name."""
+    revision's for an A/B run; ``name``: the server's display name; ``extra_env``: more environment
+    variables for the server (e.g. ``TORCHINDUCTOR_CPP_WRAPPER=1``)."""
     port = _free_port()
     src = src or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {}))
     cmd = [sys.executable, "-m", "fleetserve.cli", "serve", "--model-path", model_path, "--host", "127.0.0.1",
            "--port", str(port), "--quantization", quantization, "--torch-num-threads", str(threads),
            "--random-seed", "0", "--disable-uvicorn-access-log", "--log-level", "warning", *extra_args]

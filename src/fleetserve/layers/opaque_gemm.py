@@ -10,6 +10,10 @@ exactly the eager kernels (same tokens in float32) and inductor fuses only what 
 (norms, RoPE, activations, attention masks). ``handle`` is the layer's number in a process-wide
 table of weak references, given by :func:`register_gemm_layers` before compiling.
 
+An fp16-weight linear with the C++ op of :mod:`fleetserve.layers.fp16_gemm_ext` switched on
+(``FLEETSERVE_FP16_GEMM_EXT=1``) emits ``fleetserve_fp16::gemm(x, ext_handle)`` instead (2-D float32
+``x``, no bias): the same kernel, reached without a Python body.
+
 Output: ``[..., weight.shape[0]]`` in ``x``'s dtype (every ``_gemm`` returns that).
 """
 
@@ -63,5 +67,8 @@ def linear_gemm(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
     """``layer._gemm(x, weight, bias)``; through ``fleetserve::gemm`` while compiling a registered layer."""
     handle = getattr(layer, "_gemm_handle", None)
     if handle is not None and torch.compiler.is_compiling():
+        ext = getattr(getattr(layer, "_gemm", None), "_ext", None)
+        if ext is not None and bias is None and x.dim() == 2 and x.dtype == torch.float32:
+            return torch.ops.fleetserve_fp16.gemm(x, ext)  # C++ all the way (layers/fp16_gemm_ext.py)
         return torch.ops.fleetserve.gemm(x, weight, bias, handle)
     return layer._gemm(x, weight, bias)

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from fleetserve.core import fast_path
+from fleetserve.layers import fp16_gemm_ext
 from fleetserve.layers.fbgemm_calls import LINEAR_DYNAMIC_FP16, LINEAR_DYNAMIC_INT8
 from fleetserve.layers.smooth_quant import ALPHA, restore_norms, smooth
 from fleetserve.layers.weight_only import INT4_GROUP_SIZES, Int4WeightOnlyGemm, Int8WeightOnlyGemm, int8_row_absmax
@@ -272,19 +273,24 @@ class Fp16WeightGemm:
     Kernel pair: ``torch.ops.quantized.linear_prepack_fp16`` /
     ``torch.ops.quantized.linear_dynamic_fp16`` (called through its resolved overload,
     :mod:`fleetserve.layers.fbgemm_calls`). Same call signature as
-    :class:`Int8DynamicGemm` (the ``weight`` argument is ignored).
+    :class:`Int8DynamicGemm` (the ``weight`` argument is ignored). With
+    ``FLEETSERVE_FP16_GEMM_EXT=1`` the same kernel is reached through the C++ op of
+    :mod:`fleetserve.layers.fp16_gemm_ext` (``_ext``: its handle, else None).
     """
 
-    __slots__ = ("_packed", "out_features", "in_features")
+    __slots__ = ("_packed", "out_features", "in_features", "_ext")
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
+        self._ext = fp16_gemm_ext.register(self._packed, self.out_features) if fp16_gemm_ext.enabled() else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if (bias is None and fast_path.ENABLED and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]
                 and x.is_contiguous()):
+            if self._ext is not None:
+                return fp16_gemm_ext.gemm(x, self._ext)
             return LINEAR_DYNAMIC_FP16(x, self._packed)  # the common case, no reshapes
         dtype, shape = x.dtype, x.shape
         x2 = x.reshape(-1, shape[-1]).float()
