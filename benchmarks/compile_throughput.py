@@ -100,6 +100,26 @@ def step_ms(runner, fb, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1000
 
 
+def inductor_cache_state(path: str | None = None) -> tuple[str, str]:
+    """``(cache dir, "cold" | "warm (N files)")`` of inductor's on-disk cache, read before compiling.
+
+    ``path``: the directory (default: inductor's own, i.e. ``$TORCHINDUCTOR_CACHE_DIR`` or
+    ``/tmp/torchinductor_<user>``). "cold" = missing or without a file; a warm cache lets the
+    compile skip code generation and the C++ builds (dynamo still traces every bucket)."""
+    if path is None:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        path = cache_dir()
+    n = sum(len(files) for _, _, files in os.walk(path)) if os.path.isdir(path) else 0
+    return path, (f"warm ({n} files)" if n else "cold")
+
+
+def median_run(runs: list[tuple]) -> tuple:
+    """Of ``closed_loop`` results ``(tok/s, mean TTFT s, tokens, load)``: the run of median tok/s
+    (the lower middle one for an even count), so its TTFT, tokens and load belong to the same run."""
+    return sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
+
+
 def lscpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
@@ -119,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-engine", action="store_true", help="decode-step table only")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="engine runs per level and variant (rotating order; median)")
+    ap.add_argument("--section", default="compile_throughput",
+                    help="docs/benchmarks.md section to (re)write (a new name is appended at the end)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     buckets = [int(x) for x in a.buckets.split(",")]
@@ -135,14 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     from fleetserve.models.tokenizer import load_tokenizer
 
     path = default_model_path()
+    cache_path, cache_state = inductor_cache_state()
+    print(f"inductor cache {cache_path}: {cache_state}", flush=True)
     t0 = time.perf_counter()
     runner = ModelRunner(path, dtype="float32", max_total_tokens=16384, show_progress=False)
     gemms, switches = install_gemm_switches(runner.model, quants)
+    t_compile = time.perf_counter()
     runner._init_compiled_runner(buckets, default_seq_len_buckets(runner.max_context_len))
     compile_s = time.perf_counter() - t0
     compiled_runner = runner.graph_runner
-    print(f"built in {compile_s:.0f} s, per bucket "
-          f"{ {b: round(s) for b, s in compiled_runner.compile_seconds.items()} }", flush=True)
+    per_bucket = ", ".join(f"{b}: {sec:.0f} s" for b, sec in compiled_runner.compile_seconds.items())
+    print(f"built in {compile_s:.0f} s (compile {time.perf_counter() - t_compile:.0f} s; per bucket {per_bucket}), "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    load_at_compile = os.getloadavg()[0]
     torch._logging.set_logs(recompiles=True)
     graphs = counters["stats"]["unique_graphs"]
 
@@ -196,15 +224,20 @@ def main(argv: list[str] | None = None) -> int:
         for c in [int(x) for x in a.concurrency.split(",")]:
             n = max(4, c)
             ids = [tok.encode(t) for t in prompts_for(n)]
-            res = {}
-            for name in names:
-                use(name)
-                sched.flush_cache()
-                res[name] = closed_loop(sched, ids, c, a.max_new_tokens, name.replace("/", "_"))
+            runs: dict[str, list] = {name: [] for name in names}
+            for r in range(a.rounds):  # rotating order: round r starts at variant r
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    use(name)
+                    sched.flush_cache()
+                    runs[name].append((*closed_loop(sched, ids, c, a.max_new_tokens, name.replace("/", "_")),
+                                       os.getloadavg()[0]))
+            res = {name: median_run(rs) for name, rs in runs.items()}
             tps = {name: r[0] for name, r in res.items()}
             for name in names:
                 same = res[name][2] == res[name.split("/")[0] + "/eager"][2]
-                engine_rows.append((c, n, name, tps[name], ratio(name, tps, False), res[name][1], same))
+                engine_rows.append((c, n, name, tps[name], ratio(name, tps, False), res[name][1], same,
+                                    tps[name] / tps["none/eager"] if "none/eager" in tps else float("nan"),
+                                    res[name][3]))
                 print(f"engine c={c:>2} {name:>22}: {tps[name]:7.1f} tok/s ({ratio(name, tps, False):.2f}x its eager), "
                       f"TTFT {res[name][1] * 1000:6.0f} ms, tokens == its eager: {same}  "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
@@ -217,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             f"torch {torch.__version__}, {a.threads} threads. Compiled runner: buckets {buckets}, KV width "
             f"dynamic (the batch's longest sequence, as eager), linears and collectives opaque custom ops; "
             f"start-up {compile_s:.0f} s (load + compiling every bucket once; the variants share the model "
-            f"and its graphs; {recompiles} graphs compiled while measuring). Peak RSS {rss_gib:.1f} GiB. Load average at the end (1/5/15 min): "
+            f"and its graphs; {recompiles} graphs compiled while measuring). Inductor cache before "
+            f"compiling: {cache_state} (`{cache_path}`); compile per bucket: {per_bucket} (load "
+            f"{load_at_compile:.1f} when it ended). Peak RSS {rss_gib:.1f} GiB. Load average at the end (1/5/15 min): "
             f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n\n"
             f"Decode step (`ModelRunner.forward`, {a.steps} steps, every request 65 tokens long; ratio against "
             "the same linears eager):\n\n"
@@ -225,16 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     body += "\n".join(f"| {b} | {n} | {m:.1f} | {t:.1f} | {r:.2f}x |" for b, n, m, t, r in step_rows) + "\n"
     if engine_rows:
         body += (f"\nEngine closed loop ({a.max_new_tokens} greedy tokens per request, ignore_eos; variants "
-                 "interleaved per level):\n\n"
-                 "| concurrency | requests | linears / step | output tok/s | vs eager | mean TTFT (ms) | tokens == eager |\n"
-                 "|---|---|---|---|---|---|---|\n")
-        body += "\n".join(f"| {c} | {n} | {m} | {t:.1f} | {r:.2f}x | {tt * 1000:.0f} | {'yes' if s else 'no'} |"
-                          for c, n, m, t, r, tt, s in engine_rows) + "\n"
+                 f"interleaved per level, {a.rounds} round(s) in rotating order, the median round's figures; "
+                 "'vs eager float32' = tok/s / none/eager's at the same level):\n\n"
+                 "| concurrency | requests | linears / step | output tok/s | vs eager | vs eager float32 "
+                 "| mean TTFT (ms) | tokens == eager | load (1 min) |\n"
+                 "|---|---|---|---|---|---|---|---|---|\n")
+        body += "\n".join(f"| {c} | {n} | {m} | {t:.1f} | {r:.2f}x | {r32:.2f}x | {tt * 1000:.0f} | "
+                          f"{'yes' if s else 'no'} | {ld:.1f} |"
+                          for c, n, m, t, r, tt, s, r32, ld in engine_rows) + "\n"
     print(body)
     if not a.no_write:
         from doc_section import write_section
 
-        write_section("compile_throughput", "Decode with --enable-torch-compile vs eager (SmolLM2, CPU)",
+        write_section(a.section, "Decode with --enable-torch-compile vs eager (SmolLM2, CPU)",
                       " ".join(["python benchmarks/compile_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
                       body)
     return 0

@@ -39,7 +39,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quant_throughput import closed_loop  # noqa: E402
 
-MODES = ("none", "fp16_weight", "int8", "int8-plain", "int8wo", "int4wo-32")
+#: Every ``--quantization`` value (``w8a8_int8`` is an alias of ``int8``) and one benchmark-only variant.
+MODES = ("none", "fp16_weight", "int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256", "auto",
+         "int8-plain")
 
 #: 32 prompts: instructions, facts, code and plain continuations.
 PROMPTS = [
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--section", default="quant_quality",
+                    help="docs/benchmarks.md section to (re)write (a new name is appended at the end)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.no_write:
             from doc_section import write_section
 
-            write_section("quant_quality", "Output quality by --quantization (SmolLM2, CPU)",
+            write_section(a.section, "Output quality by --quantization (SmolLM2, CPU)",
                           " ".join(["python benchmarks/quant_quality.py"] + sys.argv[1:]), body)
     res = {}
     for mode in modes:
