@@ -49,6 +49,10 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   cached system prompt or a 62-token history to skip a queue of about as many
   tokens (docs/router.md).
 
+With ``--kv-balance-band`` b > 0 (default 0: off) the queued-prefill and load terms count only what
+``t`` holds over ``(1 + b) x`` the lowest target's figure (:func:`balance_floor`), so that under a
+deep, even backlog chance differences between the queues do not outweigh a hit.
+
 Lowest cost wins, unless the idle rule (:func:`idle_rule`, ``--kv-balance-abs-threshold`` /
 ``--kv-balance-rel-threshold``) moves the request to an idle target on which it would wait much
 less; ties go to the fewest in-flight requests, then to the target this policy
