@@ -42,6 +42,9 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "sglang-router's cache_aware balance test, on waits; docs/router.md)")
     g.add_argument("--kv-balance-rel-threshold", type=float, default=d.kv_balance_rel_threshold,
                    help="kv_aware: ... and more than this many times as long (default 1.2; 0: the idle rule is off)")
+    g.add_argument("--kv-balance-band", type=float, default=d.kv_balance_band,
+                   help="kv_aware: the queued-prefill and load terms count only what a target holds over (1 + this) "
+                        "x the least loaded target's (default 0: off; docs/router.md, the balance band)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")
@@ -72,6 +75,8 @@ def validate(cfg) -> None:
         raise ValueError("--kv-balance-abs-threshold must be >= 0")
     if cfg.kv_balance_rel_threshold != 0 and cfg.kv_balance_rel_threshold < 1:
         raise ValueError("--kv-balance-rel-threshold must be 0 (off) or >= 1")
+    if not cfg.kv_balance_band >= 0:
+        raise ValueError("--kv-balance-band must be >= 0")
     if cfg.kv_speculative_ttl_secs < 0:
         raise ValueError("--kv-speculative-ttl-secs must be >= 0")
     if cfg.kv_loads_interval_secs < 0:
@@ -108,4 +113,5 @@ def make_kv_aware(cfg):
                          cfg.kv_index_max_blocks, cfg.dp_aware, tok, route_header=not cfg.no_route_header,
                          overflow_weight=cfg.kv_overflow_weight, queue_weight=cfg.kv_queue_weight,
                          balance_abs_threshold=cfg.kv_balance_abs_threshold,
-                         balance_rel_threshold=cfg.kv_balance_rel_threshold)
+                         balance_rel_threshold=cfg.kv_balance_rel_threshold,
+                         balance_band=cfg.kv_balance_band)

@@ -49,6 +49,10 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   cached system prompt or a 62-token history to skip a queue of about as many
   tokens (docs/router.md).
 
+With ``--kv-balance-band`` b > 0 (default 0: off) the queued-prefill and load terms count only what
+``t`` holds over ``(1 + b) x`` the lowest target's figure (:func:`balance_floor`), so that under a
+deep, even backlog chance differences between the queues do not outweigh a hit.
+
 Lowest cost wins, unless the idle rule (:func:`idle_rule`, ``--kv-balance-abs-threshold`` /
 ``--kv-balance-rel-threshold``) moves the request to an idle target on which it would wait much
 less; ties go to the fewest in-flight requests, then to the target this policy
@@ -96,6 +100,7 @@ DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many dec
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
 IDLE_ABS_THRESHOLD = 160.0  # --kv-balance-abs-threshold: wait gap, in cost units (tokens), before the idle rule moves
 IDLE_REL_THRESHOLD = 1.2  # --kv-balance-rel-threshold: wait ratio before the idle rule moves (0: off)
+BALANCE_BAND = 0.0  # --kv-balance-band: share over the lowest target's queue / load the balance terms ignore (0: off)
 
 
 class RouteKey:
@@ -243,6 +248,24 @@ def idle_rule(best_wait: float, idle_wait: float, abs_threshold: float, rel_thre
     return rel_threshold > 0 and best_wait - idle_wait > abs_threshold and best_wait > rel_threshold * idle_wait
 
 
+def balance_floor(values: list[float], band: float) -> float:
+    """The part of each target's queued prefill (or token load) that its balance term ignores:
+    ``(1 + band) x`` the lowest value among the targets (``values``, tokens; ``band`` >= 0, a share).
+
+    With ``--kv-balance-band`` b > 0 the cost counts ``max(0, queued(t) - (1 + b) x min queued)`` in
+    place of ``queued(t)``, and so for the load term.  Subtracting one figure from every target leaves
+    the order of costs unchanged, so only the band changes decisions: targets whose queues lie within
+    (1 + b) x the shortest pay no balance cost at all and are ranked on their cached tokens alone, as
+    sglang-router's cache_aware routes on its tree until ``max > --balance-rel-threshold x min``
+    (there on request counts).  Where the lowest target is idle the floor is 0 and the cost is the
+    plain one: the band tolerates a difference only in proportion to the whole backlog, so it holds a
+    request on its cache under a deep, evenly spread queue (where chance differences of a few thousand
+    tokens would otherwise outweigh a whole hit) and leaves the first-turn spread and the pile-up
+    guard as they were.  The form is ours (docs/router.md, the balance band).
+    """
+    return (1.0 + band) * min(values)
+
+
 class KvAwarePolicy:
     """See the module docstring.  ``select`` runs on the event loop; events arrive on threads."""
 
@@ -252,8 +275,9 @@ class KvAwarePolicy:
                  max_blocks: int = 1 << 20, dp_aware: bool = False, tokenizer: RouterTokenizer | None = None,
                  tokenize_threads: int = 2, route_header: bool = True, overflow_weight: float = 0.0,
                  queue_weight: float = 0.5, balance_abs_threshold: float = IDLE_ABS_THRESHOLD,
-                 balance_rel_threshold: float = IDLE_REL_THRESHOLD) -> None:
+                 balance_rel_threshold: float = IDLE_REL_THRESHOLD, balance_band: float = BALANCE_BAND) -> None:
         self.route_header = route_header
+        self.balance_band = balance_band  # --kv-balance-band (0: off; balance_floor)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold  # 0: the idle rule is off
         self.idle_moves = 0  # decisions the idle rule moved to an idle target (see idle_rule)
@@ -357,6 +381,8 @@ class KvAwarePolicy:
         idle_on = self.balance_rel_threshold > 0 and len(targets) > 1
         idle_best = None  # (wait, order, w, rank, branch, cached, reason) of the idle target that waits least
         best_wait = 0.0
+        band = self.balance_band
+        rows = []  # each target's cost inputs; scored once all are known (the band needs their lowest)
         for order, (w, rank, ranks) in enumerate(targets):
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
@@ -401,12 +427,21 @@ class KvAwarePolicy:
             if queued and cached and tokens:  # the part of it this request shares is in its cached_tokens
                 queued = max(0, queued - _shared_queued(tokens, cached, self.queued_keys.get(lk, ()), ids1))
             uncached = prompt_tokens - cached
-            cost = prefill_weight * uncached + queue_weight * queued + load_weight * load
+            extra = 0.0
             if engine_loads is not None and overflow_weight:  # KV that does not fit waits: see _overflow
                 pool = engine_loads.capacity(url, rank)
                 if pool is not None:
-                    cost += overflow_weight * _overflow(load, uncached + decode_tokens, pool)
+                    extra = overflow_weight * _overflow(load, uncached + decode_tokens, pool)
             reqs = inflight.get(lk, 0) if rank is not None else w.load
+            rows.append((uncached, queued, load, extra, reqs, lk, order, w, rank, branch, cached, reason, tenant,
+                         mine, seen))
+        q_floor = l_floor = 0.0
+        if band and len(rows) > 1:  # the balance terms count only the excess over the band (balance_floor)
+            q_floor = balance_floor([r[1] for r in rows], band)
+            l_floor = balance_floor([r[2] for r in rows], band)
+        for uncached, queued, load, extra, reqs, lk, order, w, rank, branch, cached, reason, tenant, mine, seen in rows:
+            cost = (prefill_weight * uncached + queue_weight * max(0.0, queued - q_floor)
+                    + load_weight * max(0.0, load - l_floor) + extra)
             if terms is not None:
                 terms.append(f"{tenant} {branch} cached={cached} queued={queued} load={load} (router {mine}, "
                              f"engine {'-' if seen is None else seen}) reqs={reqs} cost={cost:.1f}")
@@ -419,6 +454,8 @@ class KvAwarePolicy:
                 best = (score, w, rank, branch, cached, reason)
                 if idle_on:
                     best_wait = wait
+        if terms is not None and (q_floor or l_floor):
+            terms.append(f"band {band}: queued counted above {q_floor:.0f}, load above {l_floor:.0f}")
         score, w, rank, branch, cached, reason = best
         if (idle_best is not None and idle_best[1] != score[3]
                 and idle_rule(best_wait, idle_best[0], self.balance_abs_threshold, self.balance_rel_threshold)):
