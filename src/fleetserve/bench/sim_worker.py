@@ -331,13 +331,7 @@ class SimWorker:
                                   "finish_reason": {"type": "length", "length": r.sent} if done else None,
                                   "e2e_latency": time.monotonic() - r.arrival}}
 
-        async def next_event() -> tuple:
-            try:
-                return await events.get()
-            except asyncio.CancelledError:
-                for r in reqs:
-                    eng.abort(r)
-                raise
+        next_event = _event_reader(events, eng, reqs)
 
         # SGLang (TokenizerManager._handle_batch_request): n > 1 answers a list of n results, in
         # sample order; streamed, every event is one sample's result so far with its "index"
@@ -410,13 +404,7 @@ class SimWorker:
             return {"prompt_tokens": len(ids), "completion_tokens": out, "total_tokens": len(ids) + out,
                     "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
 
-        async def next_event() -> tuple:
-            try:
-                return await events.get()
-            except asyncio.CancelledError:
-                for r in reqs:
-                    eng.abort(r)
-                raise
+        next_event = _event_reader(events, eng, reqs)
 
         if not body.get("stream"):
             left = n
@@ -465,6 +453,19 @@ class SimWorker:
                 eng.abort(r)
             raise
         return resp
+
+
+def _event_reader(events: asyncio.Queue, eng, reqs: list):
+    """``await next_event()`` for one HTTP request's samples: the next tagged event from ``events``;
+    if the client goes away (the task is cancelled) every sample in ``reqs`` is aborted first."""
+    async def next_event() -> tuple:
+        try:
+            return await events.get()
+        except asyncio.CancelledError:
+            for r in reqs:
+                eng.abort(r)
+            raise
+    return next_event
 
 
 class _Tagged:
