@@ -26,6 +26,7 @@ import aiohttp
 import orjson
 
 from . import health, worker_view
+from .auth import for_worker
 from .http.server import Request, Response, json_error
 from .http.client import UpstreamError
 from .metrics import render
@@ -108,14 +109,16 @@ async def handle_add_worker(router: Router, request: Request) -> Response:
                       "service_unavailable", code="worker_not_healthy")
 
 
-def begin_add(router: Router, url: str) -> asyncio.Task:
-    """The background wait that adds normalized ``url`` once healthy: the one under way, else a new one."""
+def begin_add(router: Router, url: str, api_key: str | None = None) -> asyncio.Task:
+    """The background wait that adds normalized ``url`` once healthy: the one under way, else a new one.
+
+    ``api_key``: the worker's own key (``POST /workers``), used for its health checks and kept on it."""
     task = router.pending.get(url)
     if task is None:
         c = router.cfg
         log.info("worker %s: waiting up to %g s for its health check (%s) before adding it", url,
                  c.worker_startup_timeout_secs, c.health_check_endpoint)
-        task = router.pending[url] = asyncio.ensure_future(_add_when_healthy(router, url))
+        task = router.pending[url] = asyncio.ensure_future(_add_when_healthy(router, url, api_key))
     return task
 
 
@@ -123,17 +126,17 @@ def begin_add(router: Router, url: str) -> asyncio.Task:
 ADD_WORKER_ANSWER_WITHIN_S = 3.0
 
 
-async def _add_when_healthy(router: Router, url: str) -> str:
+async def _add_when_healthy(router: Router, url: str, api_key: str | None = None) -> str:
     """Wait for ``url``'s health check, then register it: ``"added"``, ``"duplicate"`` or ``"unhealthy"``."""
     c = router.cfg
     try:
         ok = await health.wait_healthy(router.session, url, c.health_check_endpoint, c.worker_startup_timeout_secs,
-                                       c.worker_startup_check_interval, c.health_check_timeout_secs)
+                                       c.worker_startup_check_interval, c.health_check_timeout_secs, api_key)
         if not ok:
             log.warning("worker %s did not become healthy within %g s: not added", url, c.worker_startup_timeout_secs)
             return "unhealthy"
         # another path (start-up, health checks off) may have registered it during the wait
-        if not router.registry.add(router.new_worker(url)):
+        if not router.registry.add(router.new_worker(url, api_key)):
             return "duplicate"
         log.info("added worker %s", url)
         return "added"
@@ -202,7 +205,7 @@ async def handle_info(router: Router, request: Request) -> Response:
     for i in range(len(workers)):
         worker = workers[(router.info_turn + i) % len(workers)]
         try:
-            async with router.session.get(worker.url + request.path, headers=creds,
+            async with router.session.get(worker.url + request.path, headers=for_worker(worker.api_key, creds),
                                           timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 data = await resp.read()
                 if resp.status < 500:
@@ -221,7 +224,7 @@ async def handle_flush_cache(router: Router, request: Request) -> Response:
 
     async def one(w: Worker):
         try:
-            async with router.session.post(w.url + "/flush_cache", headers=creds,
+            async with router.session.post(w.url + "/flush_cache", headers=for_worker(w.api_key, creds),
                                            timeout=aiohttp.ClientTimeout(total=30)) as r:
                 await r.read()
                 return r.status

@@ -19,7 +19,7 @@ import logging
 import aiohttp
 
 from . import health
-from .auth import worker_headers
+from .auth import own_headers, worker_headers
 from .admission import make_admission
 from .circuit_breaker import CircuitBreaker
 from .config import RouterConfig
@@ -60,11 +60,17 @@ class Router:
         """Inference requests being handled or queued for admission, whichever worker serves them."""
         return self.handling + (self.admission.queued if self.admission is not None else 0)
 
-    def new_worker(self, url: str) -> Worker:
+    def new_worker(self, url: str, api_key: str | None = None) -> Worker:
         c = self.cfg
         breaker = CircuitBreaker(c.cb_failure_threshold, c.cb_success_threshold, c.cb_timeout_duration_secs,
                                  c.cb_window_duration_secs, enabled=not c.disable_circuit_breaker)
-        return Worker(normalize_url(url), breaker)
+        return Worker(normalize_url(url), breaker, api_key)
+
+    def own_headers(self, url: str) -> dict[str, str]:
+        """Headers for the router's own request to registered ``url``: its own key if it has one, else
+        ``{}`` (the session's ``--api-key`` default applies; auth.py)."""
+        w = self.registry.get(url)
+        return own_headers(w.api_key if w is not None else None)
 
     async def start(self) -> None:
         """Open the HTTP clients and start the background tasks (no worker wait)."""

@@ -22,10 +22,16 @@ proxied requests.  Here every request the router makes itself carries it
 checks, kv_aware's ``/get_server_info`` and ``/v1/loads``, ``/get_load``, and
 the proxied info routes and ``/flush_cache`` fan-out unless the client sent its
 own ``Authorization``, which is passed on instead
-(:data:`.proxy.CREDENTIAL_HEADERS`).  Proxied inference needs the client's
+(:data:`CREDENTIAL_HEADERS`).  Proxied inference needs the client's
 ``Bearer K`` to get past :func:`check`, so it already carries the key.  So
 engines started with the same ``--api-key`` (sglang-router's one-key set-up)
 serve behind it, and workers without a key ignore the header.
+
+A worker registered with a key of its own (``POST /workers {"url", "api_key"}``,
+smg's ``WorkerConfigRequest.api_key``) gets that key instead, as smg sends it:
+on the router's own requests to it (:func:`own_headers`) and on every request
+passed on to it, in place of the client's credentials (:func:`for_worker`,
+:func:`swap_credential_lines`).  The key is never shown by ``GET /workers``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ from __future__ import annotations
 import hmac
 
 from .http.server import Request, Response, json_error
+
+# request headers that carry the client's credentials for the worker: passed on by every proxied route
+# (inference in proxy.py; info and /flush_cache in admin.py).  OpenAI's ``Authorization: Bearer``, and the
+# ``x-api-key`` / ``api-key`` forms some clients send.
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key")
 
 # paths that need no key even with --api-key
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/health_generate", "/metrics",
@@ -43,6 +54,30 @@ def worker_headers(api_key: str | None) -> dict[str, str]:
     """The headers the router's own requests to the workers carry: ``{"Authorization": "Bearer <key>"}``
     with ``--api-key``, else none."""
     return {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+
+
+def own_headers(worker_key: str | None) -> dict[str, str]:
+    """The per-request headers of the router's own request to a worker registered with its own key
+    (``POST /workers {"api_key": K}``): ``{"Authorization": "Bearer K"}``, which replaces the
+    control session's ``--api-key`` default; ``{}`` (the default applies) when it has none."""
+    return {"Authorization": f"Bearer {worker_key}"} if worker_key is not None else {}
+
+
+def for_worker(worker_key: str | None, creds: dict[str, str]) -> dict[str, str]:
+    """The credential headers a passed-on request (info routes, ``/flush_cache``, ``/get_load``) carries
+    to one worker: the worker's own key if it was registered with one (the client's credentials were
+    the router's, smg does the same), else the client's ``creds`` as they came."""
+    return own_headers(worker_key) if worker_key is not None else creds
+
+
+def swap_credential_lines(lines: bytes, worker_key: str) -> bytes:
+    """Raw ``name: value\\r\\n`` request-header ``lines`` with the client's credential headers taken out
+    and ``authorization: Bearer <worker_key>`` put in: a proxied request to a worker registered with its
+    own key (smg sets that worker's key as the upstream ``Authorization``)."""
+    kept = [ln for ln in lines.split(b"\r\n") if ln and
+            ln.split(b":", 1)[0].strip().lower().decode("latin-1") not in CREDENTIAL_HEADERS]
+    kept.append(b"authorization: Bearer " + worker_key.encode("latin-1"))
+    return b"".join(ln + b"\r\n" for ln in kept)
 
 
 def _unauthorized(message: str) -> Response:

@@ -15,15 +15,19 @@ import time
 
 import aiohttp
 
+from .auth import own_headers
 from .workers import Worker
 
 log = logging.getLogger("fleetserve.router")
 
 
-async def probe(session: aiohttp.ClientSession, url: str, endpoint: str, timeout_s: float) -> bool:
-    """True if ``url + endpoint`` answers 2xx within ``timeout_s`` seconds."""
+async def probe(session: aiohttp.ClientSession, url: str, endpoint: str, timeout_s: float,
+                worker_key: str | None = None) -> bool:
+    """True if ``url + endpoint`` answers 2xx within ``timeout_s`` seconds (``worker_key``: the
+    worker's own key, sent instead of the session's ``--api-key``, auth.py)."""
     try:
-        async with session.get(url + endpoint, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(url + endpoint, headers=own_headers(worker_key),
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             await resp.read()
             return 200 <= resp.status < 300
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -31,12 +35,12 @@ async def probe(session: aiohttp.ClientSession, url: str, endpoint: str, timeout
 
 
 async def wait_healthy(session: aiohttp.ClientSession, url: str, endpoint: str, timeout_s: float,
-                       interval_s: float, probe_timeout_s: float) -> bool:
+                       interval_s: float, probe_timeout_s: float, worker_key: str | None = None) -> bool:
     """Poll ``url`` until it is healthy (True) or ``timeout_s`` seconds passed (False)."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
-        if await probe(session, url, endpoint, max(0.05, min(probe_timeout_s, left))):
+        if await probe(session, url, endpoint, max(0.05, min(probe_timeout_s, left)), worker_key):
             return True
         left = deadline - time.monotonic()
         if left <= 0:
@@ -64,7 +68,7 @@ def record_check(worker: Worker, ok: bool, failure_threshold: int, success_thres
 async def check_all(session: aiohttp.ClientSession, workers: list[Worker], endpoint: str, timeout_s: float,
                     failure_threshold: int, success_threshold: int) -> None:
     """One round of checks over ``workers``, concurrently."""
-    results = await asyncio.gather(*(probe(session, w.url, endpoint, timeout_s) for w in workers))
+    results = await asyncio.gather(*(probe(session, w.url, endpoint, timeout_s, w.api_key) for w in workers))
     for w, ok in zip(workers, results):
         changed = record_check(w, ok, failure_threshold, success_threshold)
         if changed is not None:

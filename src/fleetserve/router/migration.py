@@ -76,13 +76,14 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from .auth import swap_credential_lines
 from .http.client import UpstreamError
 from .route_header import route_of
 
 if TYPE_CHECKING:
     from .app import Router
     from .http.server import Request
-    from .workers import Worker
+from .workers import Worker
 
 log = logging.getLogger("fleetserve.router")
 
@@ -489,6 +490,8 @@ class Migration:
         worker.requests += 1
         resp = None
         started = False
+        if worker.api_key is not None:
+            headers = swap_credential_lines(headers, worker.api_key)
         prev = last = b""  # the last two chunks: the new worker's cached_tokens report is in them
         try:
             try:

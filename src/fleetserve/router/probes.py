@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import orjson
 
+from .auth import for_worker
 from .http.server import Request, Response
 from .proxy import credential_headers
 
@@ -69,9 +70,9 @@ async def handle_get_loads(router: Router, request: Request) -> Response:
     workers = list(router.registry.workers)
     creds = credential_headers(request)
 
-    async def one(url: str) -> int:
+    async def one(w) -> int:
         try:
-            async with router.session.get(url + "/get_load", headers=creds,
+            async with router.session.get(w.url + "/get_load", headers=for_worker(w.api_key, creds),
                                           timeout=aiohttp.ClientTimeout(total=router.cfg.health_check_timeout_secs)
                                           ) as r:
                 if not 200 <= r.status < 300:
@@ -80,5 +81,5 @@ async def handle_get_loads(router: Router, request: Request) -> Response:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
             return -1
 
-    loads = await asyncio.gather(*(one(w.url) for w in workers))
+    loads = await asyncio.gather(*(one(w) for w in workers))
     return Response(200, orjson.dumps({"workers": [{"worker": w.url, "load": n} for w, n in zip(workers, loads)]}))

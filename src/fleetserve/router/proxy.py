@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from . import migration
+from .auth import CREDENTIAL_HEADERS, swap_credential_lines
 from .http.client import UpstreamError, UpstreamResponse, UpstreamTimeoutError
 from .http.server import Request, Response, error_body, json_error
 from .retry import backoff_delay_s
@@ -48,10 +49,6 @@ _NOT_FORWARDED = frozenset({"connection", "keep-alive", "transfer-encoding", "co
                             "proxy-connection", "te", "trailer", "upgrade"})
 
 
-# request headers that carry the client's credentials for the worker: passed on by every proxied route
-# (inference here; info and /flush_cache in admin.py).  OpenAI's ``Authorization: Bearer``, and the
-# ``x-api-key`` / ``api-key`` forms some clients send.
-CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key")
 
 
 def credential_headers(request: Request) -> dict[str, str]:
@@ -218,6 +215,8 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
     worker.load += 1
     worker.requests += 1
     resp = None
+    if worker.api_key is not None:
+        headers = swap_credential_lines(headers, worker.api_key)
     try:
         try:
             resp = await router.pool.post(worker.url, path, request.body if body is None else body, headers)

@@ -64,10 +64,11 @@ class Worker:
     """One upstream server.  ``url`` is its base URL and its tenant name in the radix tree."""
 
     __slots__ = ("url", "load", "healthy", "breaker", "health_failures", "health_successes",
-                 "requests", "failures", "failed_in_row", "removed", "draining")
+                 "requests", "failures", "failed_in_row", "removed", "draining", "api_key")
 
-    def __init__(self, url: str, breaker: CircuitBreaker | None = None) -> None:
+    def __init__(self, url: str, breaker: CircuitBreaker | None = None, api_key: str | None = None) -> None:
         self.url = url
+        self.api_key = api_key  # its own key (POST /workers "api_key"), sent instead of --api-key (auth.py)
         self.load = 0
         self.healthy = True
         self.breaker = breaker or CircuitBreaker()

@@ -6,7 +6,9 @@
   check are listed too, with ``"status": "pending"`` (they are not counted in
   ``total``, which counts registered workers, as smg's registry does).
 * ``GET /workers/{url}``: one worker, or a pending url; 404 ``worker_not_found``.
-* ``POST /workers`` with a JSON body ``{"url": ...}``: as smg, 202
+* ``POST /workers`` with a JSON body ``{"url": ..., "api_key": ...}`` (the key is optional: the
+  worker's own, sent to it instead of ``--api-key`` and of the client's credentials, auth.py; not
+  shown by the GET routes): as smg, 202
   ``{"status": "accepted", "worker_id", "url", "location", "message"}`` with a
   ``Location: /workers/{url}`` header; the worker is added once its health
   check passes (at once with ``--disable-health-check``), which ``GET
@@ -39,8 +41,6 @@ if TYPE_CHECKING:
     from .app import Router
 
 PREFIX = "/workers/"
-# POST /workers fields a worker of ours cannot take (smg's WorkerConfigRequest has them): refused, not ignored
-_UNSUPPORTED = {"api_key": "a per-worker api_key (the router passes on the client's credential headers)"}
 
 
 def _location(url: str) -> str:
@@ -85,9 +85,10 @@ async def handle_create(router: Router, request: Request) -> Response:
     if not isinstance(raw, str) or not raw:
         return json_error(400, "the body needs \"url\": the worker's http://host:port", param="url",
                           code="invalid_worker_url")
-    for field, what in _UNSUPPORTED.items():
-        if body.get(field) is not None:
-            return json_error(400, f"{what} is not supported", param=field, code="unsupported_field")
+    key = body.get("api_key")
+    if key is not None and (not isinstance(key, str) or not key.strip() or any(c in key for c in "\r\n")):
+        return json_error(400, "\"api_key\" must be a non-empty string on one line (the worker's own key)",
+                          param="api_key", code="invalid_api_key")
     kind = body.get("worker_type", "regular")
     if kind != "regular":
         return json_error(400, f"worker_type {kind!r} is not supported: only \"regular\" (no prefill/decode split)",
@@ -100,11 +101,11 @@ async def handle_create(router: Router, request: Request) -> Response:
         return json_error(409, f"worker {url} is already registered", "conflict_error", param="url",
                           code="worker_already_exists")
     if router.cfg.disable_health_check:
-        router.registry.add(router.new_worker(url))
+        router.registry.add(router.new_worker(url, key))
         admin.log.info("added worker %s (health checks off)", url)
         message = f"added worker {url}"
     else:
-        admin.begin_add(router, url)
+        admin.begin_add(router, url, key)
         message = (f"worker {url} is added once {router.cfg.health_check_endpoint} answers "
                    f"(waiting up to {router.cfg.worker_startup_timeout_secs:g} s)")
     location = _location(url)

@@ -33,7 +33,7 @@ async def one_loads_worker(start_app, handler):
     runner, url = await start_app(app)
     try:
         async with aiohttp.ClientSession() as session:
-            yield url, SimpleNamespace(session=session, registry=SimpleNamespace(urls=lambda: [url]))
+            yield url, SimpleNamespace(session=session, own_headers=lambda url: {}, registry=SimpleNamespace(urls=lambda: [url]))
     finally:
         await runner.cleanup()
 
@@ -91,7 +91,7 @@ async def test_poll_asks_v1_loads_and_retries_a_worker_without_it_later(start_ap
     import aiohttp
     try:
         async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, registry=SimpleNamespace(urls=lambda: [good, bad]))
+            router = SimpleNamespace(session=session, own_headers=lambda url: {}, registry=SimpleNamespace(urls=lambda: [good, bad]))
             el = EngineLoads(0.5)
             await el.poll(router)
             assert el.tokens(good, None) == 123 and el.tokens(bad, None) is None

@@ -74,6 +74,10 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
         class Router:
             registry = Registry()
 
+            @staticmethod
+            def own_headers(url):
+                return {}
+
         sources = KvEventSources(KvAwarePolicy())
         try:
             async with aiohttp.ClientSession() as session:

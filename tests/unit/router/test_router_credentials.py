@@ -14,11 +14,11 @@ from aiohttp import web
 KEY = "sk-test-123"
 
 
-def keyed_worker_app(seen: list) -> web.Application:
+def keyed_worker_app(seen: list, key: str = KEY) -> web.Application:
     @web.middleware
     async def need_key(request: web.Request, handler):
         seen.append((request.path, request.headers.get("Authorization"), request.headers.get("x-api-key")))
-        if request.path != "/health" and request.headers.get("Authorization") != f"Bearer {KEY}":
+        if request.path != "/health" and request.headers.get("Authorization") != f"Bearer {key}":
             return web.json_response({"error": {"message": "missing API key", "type": "authentication_error",
                                                 "param": None, "code": "invalid_api_key"}},
                                      status=401, headers={"WWW-Authenticate": "Bearer"})
@@ -28,7 +28,7 @@ def keyed_worker_app(seen: list) -> web.Application:
         return web.json_response({"path": request.path, "object": "list", "data": [{"id": "m"}]})
 
     app = web.Application(middlewares=[need_key])
-    for p in ("/v1/models", "/get_model_info", "/get_server_info", "/health"):
+    for p in ("/v1/models", "/get_model_info", "/get_server_info", "/health", "/get_load"):
         app.router.add_get(p, ok)
     for p in ("/flush_cache", "/generate", "/v1/completions", "/v1/chat/completions"):
         app.router.add_post(p, ok)
@@ -143,3 +143,63 @@ async def test_api_key_is_the_workers_key_on_the_routers_own_requests(keyed_work
                           headers={"Authorization": f"Bearer {KEY}"}) as resp:
             assert resp.status == 200
     assert ("/v1/models", f"Bearer {KEY}", None) in seen
+
+
+@pytest.mark.timeout(30)
+async def test_a_worker_added_with_its_own_api_key_gets_that_key_on_every_request(start_app, InProcessRouter):
+    """``POST /workers {"url", "api_key"}`` (smg's per-worker key): the health checks, kv_aware's
+    /get_server_info, the info routes, /flush_cache, /get_load and proxied inference all reach the worker
+    with its own key, in place of the router's ``--api-key`` and of the client's credentials; GET
+    /workers does not show it.  A worker registered without one keeps getting the router's key."""
+    import asyncio
+
+    own = "sk-worker-only"
+    seen: list = []
+    runner, wurl = await start_app(keyed_worker_app(seen, own))
+    seen_plain: list = []
+    runner2, purl = await start_app(keyed_worker_app(seen_plain))  # keyed with the router's KEY
+    admin = {"Authorization": f"Bearer {KEY}"}
+    try:
+        async with InProcessRouter(worker_urls=[purl], api_key=KEY, policy="kv_aware",
+                                   health_check_endpoint="/get_model_info", health_check_interval_secs=0.1,
+                                   ) as r, aiohttp.ClientSession() as s:
+            async with s.post(r.url + "/workers", json={"url": wurl, "api_key": own}, headers=admin) as resp:
+                assert resp.status == 202
+            for _ in range(100):
+                if wurl in r.router.registry.urls():
+                    break
+                await asyncio.sleep(0.05)
+            assert wurl in r.router.registry.urls()  # its health check (a keyed path) passed with its key
+            async with s.get(r.url + "/workers", headers=admin) as resp:
+                assert own not in await resp.text()
+            # a client's credential for the router is not what the worker gets
+            async with s.post(r.url + "/v1/completions", json={"prompt": "hi"},
+                              headers={**admin, "x-api-key": "client"}) as resp:
+                assert resp.status == 200
+            async with s.post(r.url + "/flush_cache", headers=admin) as resp:
+                assert await resp.json() == {"success": True, "workers": {purl: 200, wurl: 200}}
+            from urllib.parse import quote
+            async with s.delete(r.url + "/workers/" + quote(purl, safe=""), headers=admin) as resp:
+                assert resp.status == 200
+            for stream in (False, True):  # now it is the only worker: proxied inference reaches it
+                async with s.post(r.url + "/v1/completions", json={"prompt": "only", "stream": stream},
+                                  headers={**admin, "api-key": "client"}) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            async with s.get(r.url + "/get_loads", headers=admin) as resp:
+                assert resp.status == 200
+            for _ in range(100):  # kv_aware asked it for its KV-event publisher, with its key
+                if ("/get_server_info", f"Bearer {own}", None) in seen:
+                    break
+                await asyncio.sleep(0.05)
+        assert ("/get_server_info", f"Bearer {own}", None) in seen
+        assert ("/get_model_info", f"Bearer {own}", None) in seen
+        assert ("/flush_cache", f"Bearer {own}", None) in seen
+        assert {a for p, a, _ in seen} == {f"Bearer {own}"}  # never the router's key, never the client's
+        assert [a for p, a, _ in seen if p == "/v1/completions"][-2:] == [f"Bearer {own}"] * 2
+        assert ("/get_load", f"Bearer {own}", None) in seen
+        assert ("/flush_cache", f"Bearer {KEY}", None) in seen_plain  # the other keeps the router's key
+        assert {a for p, a, _ in seen_plain} == {f"Bearer {KEY}"}
+    finally:
+        await runner.cleanup()
+        await runner2.cleanup()

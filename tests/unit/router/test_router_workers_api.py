@@ -99,7 +99,8 @@ async def test_workers_rest_list_get_post_delete(workers, InProcessRouter):
         assert (await call(s, "GET", r.url + "/list_workers"))[1]["urls"] == [u1, u2]
         st, err, _ = await call(s, "POST", r.url + "/workers", json={"url": u2})
         assert (st, err["error"]["code"]) == (409, "worker_already_exists")
-        for bad, param in (({"url": "notaurl"}, "url"), ({}, "url"), ({"url": u2, "api_key": "k"}, "api_key"),
+        for bad, param in (({"url": "notaurl"}, "url"), ({}, "url"), ({"url": u2, "api_key": 5}, "api_key"),
+                           ({"url": u2, "api_key": " "}, "api_key"), ({"url": u2, "api_key": "a\nb"}, "api_key"),
                            ({"url": u2, "worker_type": "prefill"}, "worker_type")):
             st, err, _ = await call(s, "POST", r.url + "/workers", json=bad)
             assert (st, err["error"]["param"]) == (400, param), bad

@@ -225,7 +225,8 @@ class EngineLoads:
         per = stamp = waiting = None
         try:
             timeout = aiohttp.ClientTimeout(total=max(self.interval_s, 0.5))
-            async with router.session.get(url + "/v1/loads?include=core", timeout=timeout) as r:
+            async with router.session.get(url + "/v1/loads?include=core", headers=router.own_headers(url),
+                                          timeout=timeout) as r:
                 if r.status == 200:
                     try:
                         doc = await r.json(content_type=None)

@@ -151,7 +151,8 @@ class KvEventSources:
         try:
             import aiohttp
 
-            async with router.session.get(url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with router.session.get(url + "/get_server_info", headers=router.own_headers(url),
+                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 200:
                     info = await r.json(content_type=None)
                 else:  # e.g. 401 from a worker started with --api-key while the router has none or another
