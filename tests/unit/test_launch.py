@@ -213,6 +213,18 @@ def test_a_router_port_in_router_args_is_where_launch_waits_and_points(monkeypat
     assert _last(lau.workers[0].cmd, "--host") == "127.0.0.1"  # the instances stay on launch's --host
 
 
+@pytest.mark.parametrize("router_args", ["", "--port 0", "--host 0.0.0.0 --port=0 --cache-threshold 0.5",
+                                         "--port=0 --host=0.0.0.0"])
+def test_the_router_argv_names_its_host_and_port_once(monkeypatch, capsys, router_args):
+    code, _, err, lau, _ = _launch(monkeypatch, capsys, ["--port", "0", f"--router-args={router_args}"])
+    assert (code, err) == (0, "")
+    flags = [t.split("=", 1)[0] for t in lau.router.cmd if t.startswith("--")]
+    assert flags.count("--host") == 1 and flags.count("--port") == 1
+    port = lau.router.cmd[lau.router.cmd.index("--port") + 1]
+    assert port != "0" and lau.router_url.endswith(f":{port}")  # the picked port, not the 0 asked for
+    assert ("--cache-threshold" in lau.router.cmd) is ("--cache-threshold" in router_args)
+
+
 def test_a_router_args_port_meets_the_port_checks_under_its_own_name(monkeypatch, capsys):
     import socket
 

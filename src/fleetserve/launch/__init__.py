@@ -270,16 +270,34 @@ def router_tokenizer_args(args: argparse.Namespace, instance_args: list[str]) ->
     return ["--tokenizer-path", tokenizer_dir(path)]
 
 
+def _without_address(tokens: list[str]) -> list[str]:
+    """``tokens`` less their ``--host`` / ``--port`` flags (``--port 8`` and ``--port=8``)."""
+    out, skip = [], False
+    for t in tokens:
+        if skip:
+            skip = False
+        elif t in ("--host", "--port"):
+            skip = True
+        elif not t.startswith(("--host=", "--port=")):
+            out.append(t)
+    return out
+
+
 def router_argv(args: argparse.Namespace, instance_args: list[str]) -> list[str]:
-    """The router's flags (after ``fleetserve router``): launch's own, then ``--router-args`` (which win);
-    once the router's address is settled (``launch/router_address.py``) it comes last, so that a
-    ``--router-args --port 0`` gives way to the port picked for it."""
+    """The router's flags (after ``fleetserve router``): launch's own, then ``--router-args`` (which win).
+
+    Before the router's address is settled (``launch/router_address.py``) the ``--router-args``
+    come last as given, so the router's parser picks the address they name.  Once it is settled,
+    ``--host`` / ``--port`` appear once, with the settled values, and are dropped from the
+    ``--router-args`` (a ``--router-args --port 0`` so gives way to the port picked for it)."""
     urls = [f"http://{args.host}:{args.worker_base_port + i}" for i in range(args.workers)]
-    last = (["--host", args.router_host, "--port", str(args.port)] if getattr(args, "router_address_set", False)
-            else [])
-    return ["--host", args.host, "--port", str(args.port), "--policy", args.policy, "--worker-urls", *urls,
-            *router_tokenizer_args(args, instance_args), *router_key_args(args, instance_args),
-            *shlex.split(args.router_args), *last]
+    extra = shlex.split(args.router_args)
+    if getattr(args, "router_address_set", False):
+        address, extra = ["--host", args.router_host, "--port", str(args.port)], _without_address(extra)
+    else:
+        address = ["--host", args.host, "--port", str(args.port)]
+    return [*address, "--policy", args.policy, "--worker-urls", *urls,
+            *router_tokenizer_args(args, instance_args), *router_key_args(args, instance_args), *extra]
 
 
 # The example printed once the fleet is up: greedy (temperature 0) so that the first answer
