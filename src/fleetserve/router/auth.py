@@ -89,6 +89,9 @@ def _unauthorized(message: str) -> Response:
 def check(api_key: str, request: Request) -> Response | None:
     """``None`` if ``request`` carries ``Authorization: Bearer <api_key>``, else the 401 to send.
 
+    The scheme is matched in any case (``bearer``, ``BEARER``): RFC 7235 section 2.1 makes auth
+    schemes case-insensitive.
+
     The comparison takes the same time whatever the key's first wrong byte
     (``hmac.compare_digest``).
     """

@@ -78,7 +78,12 @@ async def test_api_key_guards_inference_and_admin_routes_and_leaves_probes_open(
         assert st == 200 and body["id"] == 1
         assert w.auth == [f"Bearer {KEY}"]
         assert (await status_of(s, "GET", r.url + "/list_workers", GOOD))[0] == 200
-        assert (await status_of(s, "GET", r.url + "/list_workers", {"Authorization": f"bearer {KEY}"}))[0] == 200
+        # the auth scheme is case-insensitive (RFC 7235 2.1): any case of "Bearer" goes through, another scheme not
+        for value in (f"bearer {KEY}", f"BEARER {KEY}", f"bEaReR  {KEY}"):
+            assert (await status_of(s, "GET", r.url + "/list_workers", {"Authorization": value}))[0] == 200, value
+        assert (await status_of(s, "GET", r.url + "/list_workers", {"Authorization": f"Basic {KEY}"}))[0] == 401
+        st, body, _ = await post(s, r.url, {"text": "x", "id": 2}, {"Authorization": f"bearer {KEY}"})
+        assert st == 200 and body["id"] == 2
 
 
 @pytest.mark.timeout(60)
