@@ -276,11 +276,11 @@ def test_a_bad_host_is_launchs_own_flag_not_the_routers(monkeypatch, capsys, hos
 
 @pytest.mark.parametrize("flags,line", [
     (["--dp-size", "0"], "--dp-size must be >= 1, got 0"),
-    (["--dp-size", "two"], "fleetserve sim-worker: error: argument --dp-size: invalid int value: 'two'"),
-    (["--tokenizer", "bpe"], "fleetserve sim-worker: error: argument --tokenizer: invalid choice: 'bpe' "),
+    (["--dp-size", "two"], "--dp-size: invalid int value: 'two' (a sim-worker flag)"),
+    (["--tokenizer", "bpe"], "--tokenizer: invalid choice: 'bpe' "),
     (["--max-total-tokens", "0"], "--max-total-tokens must be > 0, got 0"),
     (["--page-size", "3"], "--page-size (3) must divide --chunked-prefill-size "),
-    (["--max-total-tokns", "9"], "fleetserve sim-worker: error: unrecognized arguments: --max-total-tokns 9"),
+    (["--max-total-tokns", "9"], "unrecognized sim-worker flags: --max-total-tokns 9"),
 ])
 def test_sim_instance_flags_are_checked_before_any_instance_starts(monkeypatch, capsys, flags, line):
     """--worker-kind sim used to start every instance with a bad flag and let each one die; now
@@ -289,6 +289,7 @@ def test_sim_instance_flags_are_checked_before_any_instance_starts(monkeypatch, 
     code, _, err, lau, _ = _launch(monkeypatch, capsys, flags)
     assert (code, lau) == (2, None)
     assert "\n" not in err and err.startswith(f"fleetserve launch: {line}"), err
+    assert err.count("fleetserve") == 1 and "error:" not in err  # one prefix, launch's
     code, _, err, lau, _ = _launch(monkeypatch, capsys, ["--stream-interval", "4", "--dp-size", "2"])
     assert (code, err) == (0, "") and lau is not None
 

@@ -182,10 +182,10 @@ def check_sim_flags(instance_args: list[str]) -> str | None:
 
     try:
         ns, unknown = sim_args.build_parser(exit_on_error=False).parse_known_args(instance_args)
-    except argparse.ArgumentError as e:  # argparse's own words, as the instance would print them
-        return f"fleetserve sim-worker: error: {e}"
+    except argparse.ArgumentError as e:  # argparse's words after the flag's name; launch prints its own prefix
+        return f"{e.argument_name or 'sim-worker flags'}: {e.message} (a sim-worker flag)"
     if unknown:
-        return f"fleetserve sim-worker: error: unrecognized arguments: {' '.join(unknown)}"
+        return f"unrecognized sim-worker flags: {' '.join(unknown)}"
     return sim_args.check_args(ns)
 
 
