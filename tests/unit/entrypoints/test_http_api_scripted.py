@@ -188,6 +188,18 @@ def test_body_over_limit_is_413(http, client):
     good_request_works(client)
 
 
+def test_a_chat_post_without_content_type_is_read_as_json(http):
+    """As FastAPI does for vLLM's typed body (no Content-Type: parsed as JSON) and SGLang's
+    ``await raw_request.json()`` (the header is not read): the body is taken as JSON."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    r = http.post("/v1/chat/completions", content=body)
+    assert "content-type" not in r.request.headers
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion" and r.json()["choices"][0]["message"]["role"] == "assistant"
+    r = http.post("/v1/chat/completions", content=b"{not json")  # still a JSON body: a bad one is a 400
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
 def test_api_key_required(srv, client):
     base = f"http://127.0.0.1:{srv.port}"
     assert httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 401

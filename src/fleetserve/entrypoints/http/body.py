@@ -2,6 +2,11 @@
 
 FastAPI's own body parsing answers 422 in its own shape; here malformed JSON
 and wrong types are 400 naming the field, and a body over the limit is 413.
+
+Without a ``Content-Type`` the body is read as JSON, as the peers do: FastAPI
+parses a typed body (vLLM's) as JSON when no Content-Type is sent, and SGLang's
+handlers call ``request.json()`` without reading the header.  Another
+Content-Type is not checked either (SGLang's way; FastAPI would refuse it).
 """
 
 from __future__ import annotations
