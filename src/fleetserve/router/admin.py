@@ -2,7 +2,8 @@
 
 * ``GET /health``: the router is up.  ``GET /readiness``: some worker can take
   a request (503 when none can).  ``GET /metrics``: Prometheus text.
-* ``POST /add_worker?url=``: a bad url is a 400 at once; the worker is added
+* ``POST /add_worker?url=[&api_key=]``: ``api_key`` (sglang-router's) is the worker's
+  own key, as ``POST /workers``'s (auth.py); a bad url is a 400 at once; the worker is added
   once its health check passes (200 if that takes under
   :data:`ADD_WORKER_ANSWER_WITHIN_S`, else 202 pending and the wait goes on in
   the background).  ``POST /remove_worker?url=`` (also ends a pending wait),
@@ -84,12 +85,16 @@ async def handle_add_worker(router: Router, request: Request) -> Response:
     if router.registry.get(url) is not None:
         return json_error(400, f"worker {url} is already registered", param="url",
                           code="worker_already_registered")
+    key = request.query.get("api_key")  # sglang-router's /add_worker?url=&api_key=: the worker's own key
+    if key is not None and (not key.strip() or "\r" in key or "\n" in key):
+        return json_error(400, "api_key must be a non-empty string on one line (the worker's own key)",
+                          param="api_key", code="invalid_api_key")
     c = router.cfg
     if c.disable_health_check:
-        router.registry.add(router.new_worker(url))
+        router.registry.add(router.new_worker(url, key))
         log.info("added worker %s (health checks off)", url)
         return Response(200, orjson.dumps({"success": True, "status": "added", "message": f"added worker {url}"}))
-    task = begin_add(router, url)
+    task = begin_add(router, url, key)
     done, _ = await asyncio.wait((task,), timeout=ADD_WORKER_ANSWER_WITHIN_S)
     if not done:
         return Response(202, orjson.dumps({

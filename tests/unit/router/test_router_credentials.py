@@ -203,3 +203,31 @@ async def test_a_worker_added_with_its_own_api_key_gets_that_key_on_every_reques
     finally:
         await runner.cleanup()
         await runner2.cleanup()
+
+
+@pytest.mark.timeout(30)
+async def test_add_worker_takes_the_workers_own_api_key_in_its_query(start_app, InProcessRouter):
+    """sglang-router's ``/add_worker?url=&api_key=``: the start-up wait and proxied inference reach the
+    worker with that key; a blank or multi-line key is a 400 naming ``api_key``, and nothing is added."""
+    from urllib.parse import quote
+
+    own = "sk-added"
+    seen: list = []
+    runner, wurl = await start_app(keyed_worker_app(seen, own))
+    try:
+        async with InProcessRouter(worker_urls=[], health_check_endpoint="/get_model_info") as r, \
+                aiohttp.ClientSession() as s:
+            for bad in (" ", "a\nb"):
+                async with s.post(r.url + f"/add_worker?url={quote(wurl)}&api_key={quote(bad)}") as resp:
+                    assert resp.status == 400
+                    assert (await resp.json())["error"]["param"] == "api_key"
+            assert r.router.registry.urls() == []
+            async with s.post(r.url + f"/add_worker?url={quote(wurl)}&api_key={own}") as resp:
+                assert resp.status == 200
+            async with s.post(r.url + "/v1/completions", json={"prompt": "hi"},
+                              headers={"Authorization": "Bearer client"}) as resp:
+                assert resp.status == 200
+    finally:
+        await runner.cleanup()
+    assert ("/get_model_info", f"Bearer {own}", None) in seen
+    assert ("/v1/completions", f"Bearer {own}", None) in seen
