@@ -198,8 +198,12 @@ def _section(args, rows, systems, version, via, notes, levels, mixed_range) -> s
                 key=lambda r: r.tps, default=None)
     if f32 and bestm:
         namem = next(m for m in fs if by.get(("equal", cmax, m)) is bestm)
-        aims.append(f"at concurrency {cmax}, >= 1.5x float32's tok/s on this AVX2-only CPU: best ({namem}) "
-                    f"{bestm.tps / f32.tps:.2f}x -> **{'met' if bestm.tps >= 1.5 * f32.tps else 'not met'}**")
+        from fleetserve.layers.quantization import has_vnni
+
+        # the issue's aim depends on the CPU: 3x float32 with int8 dot products (VNNI), 1.5x without
+        want, cpu = (3.0, "this VNNI CPU") if has_vnni() else (1.5, "this CPU without VNNI")
+        aims.append(f"at concurrency {cmax}, >= {want:g}x float32's tok/s on {cpu}: best ({namem}) "
+                    f"{bestm.tps / f32.tps:.2f}x -> **{'met' if bestm.tps >= want * f32.tps else 'not met'}**")
     body.append("Aims (issue 16, equal lengths): " + "; ".join(aims) + ".")
     if "int8" in fs:
         body += ["", "Read the int8 rows with care: W8A8 int8's greedy tokens left float32's within the first few "
