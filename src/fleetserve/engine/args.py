@@ -93,6 +93,9 @@ class ServerArgs:
             on SmolLM2). Ignored on CUDA and with more than one rank per instance (TP / DP
             attention). See docs/benchmarks.md for whether it pays.
         torch_compile_max_bs: largest compiled decode batch (SGLang's default 32).
+        torch_compile_region: ``--torch-compile-region`` (no SGLang/vLLM peer of this name):
+            ``step`` (default) compiles the whole decode step; ``layer`` compiles one decoder
+            layer's forward, reused by every layer (regional compilation), the rest eager.
 
     Parallelism (see ARCHITECTURE.md for the meaning of sizes):
         tp_size, dp_size, enable_dp_attention, ep_size, moe_a2a_backend,
@@ -139,6 +142,7 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
+    torch_compile_region: str = "step"
 
     tp_size: int = 1
     dp_size: int = 1
@@ -201,6 +205,8 @@ class ServerArgs:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if int(self.torch_compile_max_bs) < 1:
             raise ValueError(f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}")
+        if self.torch_compile_region not in ("step", "layer"):
+            raise ValueError(f"--torch-compile-region must be step or layer, got {self.torch_compile_region!r}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"--context-length must be >= 1, got {self.context_length}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -298,6 +304,9 @@ class ServerArgs:
                        help="CPU: decode through torch.compile, padded to batch-size buckets (compiles at start-up)")
         g.add_argument("--torch-compile-max-bs", type=int, default=default("torch_compile_max_bs"),
                        help="largest decode batch run compiled (default 32)")
+        g.add_argument("--torch-compile-region", choices=["step", "layer"],
+                       default=default("torch_compile_region"),
+                       help="compile the whole decode step (step, default) or one decoder layer reused by all (layer)")
 
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=default("tp_size"))

@@ -92,8 +92,13 @@ class CompiledDecodeRunner(EagerDecodeGraphRunner):
     ``seq_len_buckets`` only sets the KV width each bucket is compiled at (the smallest, at
     least :data:`MIN_WIDTH`): at run time the width is the batch's longest sequence, as eager.
 
+    ``regions`` (``--torch-compile-region layer``): compile these modules (the decoder layers)
+    instead of the whole step; ``forward_fn`` then runs eagerly around them. Shapes there are
+    dynamo's automatic dynamic ones (a dimension seen at two sizes becomes symbolic), so
+    :meth:`capture` runs each bucket at two KV widths.
+
     Attributes:
-        compiled: the ``torch.compile``-d ``forward_fn``.
+        compiled: the ``torch.compile``-d ``forward_fn`` (``forward_fn`` itself with ``regions``).
         compile_seconds: ``{bucket: seconds}`` spent compiling each bucket in :meth:`capture`.
         last_key: ``(bucket, KV width)`` of the last :meth:`run`.
     """
@@ -101,9 +106,19 @@ class CompiledDecodeRunner(EagerDecodeGraphRunner):
     def __init__(self, forward_fn: Callable[..., torch.Tensor],
                  make_static_inputs: Callable[[int, int], dict[str, torch.Tensor]],
                  pad_values: dict[str, float | int], batch_sizes: Sequence[int],
-                 seq_len_buckets: Sequence[int] = (MIN_WIDTH,), warmup: int = 1):
+                 seq_len_buckets: Sequence[int] = (MIN_WIDTH,), warmup: int = 1,
+                 regions: Sequence[torch.nn.Module] | None = None):
         super().__init__(forward_fn, make_static_inputs, pad_values, batch_sizes, seq_len_buckets, warmup)
-        self.compiled = torch.compile(forward_fn, dynamic=False, options=dict(COMPILE_OPTIONS))
+        self.regions = list(regions or [])
+        if self.regions:
+            # Regional compilation: each repeated block's forward is compiled (``Module.compile``);
+            # dynamo inlines built-in modules and lifts parameters to graph inputs, so the blocks
+            # share graphs (one per block type and set of guards), and the step around them is eager.
+            for m in self.regions:
+                m.compile(dynamic=None, options=dict(COMPILE_OPTIONS))
+            self.compiled = forward_fn
+        else:
+            self.compiled = torch.compile(forward_fn, dynamic=False, options=dict(COMPILE_OPTIONS))
         self.compile_seconds: dict[int, float] = {}
         self.capture_width = max(MIN_WIDTH, self.seq_len_buckets[0])
 
@@ -121,9 +136,12 @@ class CompiledDecodeRunner(EagerDecodeGraphRunner):
                 inputs = self.make_static_inputs(bs, self.capture_width)
                 for _ in range(self.warmup):
                     self.forward_fn(**inputs)
-                torch._dynamo.mark_dynamic(inputs["kv_idx"], 1)
+                if not self.regions:  # (regions: the mask is built eagerly from it; automatic dynamic)
+                    torch._dynamo.mark_dynamic(inputs["kv_idx"], 1)
                 t0 = time.perf_counter()
                 self.compiled(**inputs)
+                if self.regions:  # a second width, so automatic dynamic makes the KV width dynamic now
+                    self.compiled(**self.make_static_inputs(bs, self.capture_width + 1))
                 self.compile_seconds[bs] = time.perf_counter() - t0
         logger.info("compiled decode for batch sizes %s in %.1f s (KV width dynamic)",
                     self.batch_sizes, sum(self.compile_seconds.values()))

@@ -133,6 +133,9 @@ class ModelRunner:
             TP / DP attention / EP every rank compiles the same buckets; the collectives inside the
             step are opaque ops (:mod:`fleetserve.distributed.traceable`).
         torch_compile_max_bs: largest compiled bucket (``--torch-compile-max-bs``; default 32).
+        torch_compile_region: ``"step"`` compiles the whole decode step (one graph per bucket);
+            ``"layer"`` compiles the decoder layers' forward instead (regional compilation: the
+            layers share compiled code, the rest of the step runs eagerly). ValueError otherwise.
         graph_batch_sizes: the buckets themselves, instead of :func:`default_batch_sizes` of the
             max (like SGLang's ``--cuda-graph-bs``; tests and benchmarks use it to compile fewer).
 
@@ -154,7 +157,8 @@ class ModelRunner:
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int | None = None,
                  eager_graph_stand_in: bool = False, graph_seq_len_buckets: list[int] | None = None,
                  page_size: int = 1, quantization: str | None = "none", enable_torch_compile: bool = False,
-                 torch_compile_max_bs: int | None = None, graph_batch_sizes: list[int] | None = None):
+                 torch_compile_max_bs: int | None = None, graph_batch_sizes: list[int] | None = None,
+                 torch_compile_region: str = "step"):
         self.model_path = model_path or default_model_path()
         self.device = torch.device(device)
         self.pstate = pstate
@@ -198,7 +202,8 @@ class ModelRunner:
         if enable_torch_compile and self.device.type != "cuda":
             sizes = graph_batch_sizes or default_batch_sizes(torch_compile_max_bs or DEFAULT_TORCH_COMPILE_MAX_BS)
             self._init_compiled_runner(sizes,
-                                       graph_seq_len_buckets or default_seq_len_buckets(self.max_context_len))
+                                       graph_seq_len_buckets or default_seq_len_buckets(self.max_context_len),
+                                       torch_compile_region)
         elif not disable_cuda_graph and (self.device.type == "cuda" or eager_graph_stand_in):
             sizes = graph_batch_sizes or default_batch_sizes(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS)
             self._init_graph_runner(sizes,
@@ -236,14 +241,17 @@ class ModelRunner:
         logger.info("captured %d decode CUDA graphs (batch sizes %s, KV widths %s)", len(runner.graphs),
                     sizes, seq_len_buckets)
 
-    def _init_compiled_runner(self, sizes: list[int], seq_len_buckets: list[int]) -> None:
+    def _init_compiled_runner(self, sizes: list[int], seq_len_buckets: list[int], region: str = "step") -> None:
         eager = run_host_syncing_modules_eagerly(self.model)
         register_gemm_layers(self.model)  # the linears' kernels stay opaque ops in the graph
         register_groups(self.pstate)  # so do the collectives (distributed/traceable.py)
         if eager and self.pstate.tp_rank == 0:
             logger.info("compiled decode: %s run eagerly inside the step (host reads)", ", ".join(eager))
+        if region not in ("step", "layer"):
+            raise ValueError(f"--torch-compile-region must be step or layer, got {region!r}")
+        regions = list(self.model.layers) if region == "layer" else None
         runner = CompiledDecodeRunner(self._static_decode_forward, self._make_static_inputs, GRAPH_PAD_VALUES,
-                                      sizes, seq_len_buckets)
+                                      sizes, seq_len_buckets, regions=regions)
         try:
             runner.capture()
         except Exception as e:

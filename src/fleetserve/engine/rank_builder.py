@@ -69,7 +69,8 @@ def make_model_runner(args: ServerArgs, pstate: ParallelState, show_progress: bo
                        show_progress=show_progress, disable_cuda_graph=args.disable_cuda_graph,
                        cuda_graph_max_bs=args.cuda_graph_max_bs, page_size=args.page_size,
                        quantization=args.quantization, enable_torch_compile=args.enable_torch_compile,
-                       torch_compile_max_bs=args.torch_compile_max_bs)
+                       torch_compile_max_bs=args.torch_compile_max_bs,
+                       torch_compile_region=args.torch_compile_region)
 
 
 def build_rank(args: ServerArgs, pstate: ParallelState, *, replica: int = 0, runner: Any = None,
