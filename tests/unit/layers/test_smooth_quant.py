@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fleetserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from fleetserve.layers.mlp import GatedMLP
 from fleetserve.layers.norm import RMSNorm
-from fleetserve.layers.quantization import Int8DynamicGemm, apply_quantization, fbgemm_available
+from fleetserve.layers.quantization import Int8DynamicGemm, apply_quantization, fbgemm_available, has_vnni
 from fleetserve.layers.smooth_quant import NormGroup, gated_mlp_group, restore_norms, smooth, smoothing_factors
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm kernels on this CPU")
@@ -19,8 +19,9 @@ pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm kernel
 K, O = 256, 512
 OUTLIER_CHANNELS = [3, 77, 150, 201]
 #: Relative error ||y - y32|| / ||y32|| on the outlier-heavy input below, measured (7-bit activations,
-#: AVX2): old int8 0.35, SmoothQuant only 0.028, per-token only 0.28, both 0.021. Bounds with room.
-OLD_AT_LEAST = 0.2
+#: AVX2): old int8 0.35, SmoothQuant only 0.028, per-token only 0.28, both 0.021; with VNNI (8-bit
+#: activations, an AVX-512 EPYC) old int8 0.178, half the step, half the error. Bounds with room.
+OLD_AT_LEAST = 0.1 if has_vnni() else 0.2
 NEW_AT_MOST = 0.05
 
 
