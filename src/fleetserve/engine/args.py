@@ -94,8 +94,10 @@ class ServerArgs:
             attention). See docs/benchmarks.md for whether it pays.
         torch_compile_max_bs: largest compiled decode batch (SGLang's default 32).
         torch_compile_region: ``--torch-compile-region`` (no SGLang/vLLM peer of this name):
-            ``step`` (default) compiles the whole decode step; ``layer`` compiles one decoder
-            layer's forward, reused by every layer (regional compilation), the rest eager.
+            ``step`` (default) compiles the whole decode step; ``layer`` compiles each decoder
+            layer's forward (regional compilation), the rest eager. The layers do not share one
+            graph yet: each layer's integer attributes (gemm handle, ``layer_id``) are guarded, so
+            there is a graph per layer (docs/benchmarks.md, ``rc16-regional``).
 
     Parallelism (see ARCHITECTURE.md for the meaning of sizes):
         tp_size, dp_size, enable_dp_attention, ep_size, moe_a2a_backend,

@@ -111,9 +111,10 @@ class CompiledDecodeRunner(EagerDecodeGraphRunner):
         super().__init__(forward_fn, make_static_inputs, pad_values, batch_sizes, seq_len_buckets, warmup)
         self.regions = list(regions or [])
         if self.regions:
-            # Regional compilation: each repeated block's forward is compiled (``Module.compile``);
-            # dynamo inlines built-in modules and lifts parameters to graph inputs, so the blocks
-            # share graphs (one per block type and set of guards), and the step around them is eager.
+            # Regional compilation: each repeated block's forward is compiled (``Module.compile``)
+            # and the step around them runs eagerly. Blocks could share a graph only if nothing
+            # per-block were guarded; today each block's integer attributes (gemm handle, layer_id)
+            # are, so every block gets its own graph (rc16-regional in docs/benchmarks.md).
             for m in self.regions:
                 m.compile(dynamic=None, options=dict(COMPILE_OPTIONS))
             self.compiled = forward_fn

@@ -134,8 +134,8 @@ class ModelRunner:
             step are opaque ops (:mod:`fleetserve.distributed.traceable`).
         torch_compile_max_bs: largest compiled bucket (``--torch-compile-max-bs``; default 32).
         torch_compile_region: ``"step"`` compiles the whole decode step (one graph per bucket);
-            ``"layer"`` compiles the decoder layers' forward instead (regional compilation: the
-            layers share compiled code, the rest of the step runs eagerly). ValueError otherwise.
+            ``"layer"`` compiles each decoder layer's forward instead (regional compilation; one graph
+            per layer today, the rest of the step eager). ValueError otherwise.
         graph_batch_sizes: the buckets themselves, instead of :func:`default_batch_sizes` of the
             max (like SGLang's ``--cuda-graph-bs``; tests and benchmarks use it to compile fewer).
 
