@@ -121,9 +121,12 @@ def test_bad_instance_flags_are_one_line(monkeypatch):
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: pytest.fail("memory read under --skip-memory-check"))
     args, rest = launch.build_parser().parse_known_args(["--workers", "64", "--skip-memory-check", "--tp-size", "two"])
     bad, note = memory.check_launch(args, rest)
-    assert note is None and bad == "fleetserve serve: error: argument --tp-size/--tp: invalid int value: 'two'"
+    # one prefix: launch prints "fleetserve launch: " before it (no "fleetserve serve: error: " inside)
+    assert note is None and bad == "--tp-size/--tp: invalid int value: 'two' (a fleetserve serve flag)"
     assert memory.check_fleet_memory(1, ["--max-total-tokns", "4096"], available=64 * GIB) == (
-        "fleetserve serve: error: unrecognized arguments: --max-total-tokns 4096", None)
+        "unrecognized fleetserve serve flags: --max-total-tokns 4096", None)
+    assert memory.check_fleet_memory(1, ["--dtype", "fp8"], available=None)[0] == (
+        "--dtype: invalid choice: 'fp8' (choose from 'auto', 'bfloat16', 'float16', 'float32') (a fleetserve serve flag)")
 
 
 def test_available_memory_reads_meminfo():

@@ -32,8 +32,10 @@ from fleetserve.engine.args import ServerArgs
 logger = logging.getLogger("fleetserve.serve")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fleetserve serve", description="Run one engine instance (OpenAI-compatible API).")
+def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
+    """``fleetserve serve``'s flags; ``exit_on_error=False``: a bad value raises ``argparse.ArgumentError``."""
+    p = argparse.ArgumentParser(prog="fleetserve serve", description="Run one engine instance (OpenAI-compatible API).",
+                                exit_on_error=exit_on_error)
     ServerArgs.add_cli_args(p)
     g = p.add_argument_group("http server")
     g.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,

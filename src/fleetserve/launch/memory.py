@@ -143,12 +143,17 @@ def check_fleet_memory(workers: int, instance_args: list[str], available: int | 
     too) or the model's config are bad (the instances would fail anyway); ``note``: one line with the estimate, or
     why none was made (non-CPU devices are not checked).
     """
+    import argparse
+
     from fleetserve.engine.args import ServerArgs
     from fleetserve.entrypoints.serve import build_parser
 
-    ns, unknown = build_parser().parse_known_args(instance_args)
-    if unknown:  # a typo every instance would refuse after its start (argparse's own words)
-        return f"fleetserve serve: error: unrecognized arguments: {' '.join(unknown)}", None
+    try:
+        ns, unknown = build_parser(exit_on_error=False).parse_known_args(instance_args)
+    except argparse.ArgumentError as e:  # argparse's words after the flag's name; launch prints its own prefix
+        return f"{e.argument_name or 'fleetserve serve flags'}: {e.message} (a fleetserve serve flag)", None
+    if unknown:  # a typo every instance would refuse after its start
+        return f"unrecognized fleetserve serve flags: {' '.join(unknown)}", None
     try:
         server_args = ServerArgs.from_cli_args(ns)
     except ValueError as e:
@@ -222,7 +227,7 @@ def check_launch(args: argparse.Namespace, instance_args: list[str],
         return out["error"], out["note"] or note
     err = done.stderr.strip().splitlines()
     if done.returncode == 2 and err:  # argparse refused an instance flag: the instances would too
-        return err[-1], None
+        return err[-1].removeprefix("fleetserve serve: error: "), None
     return None, f"instance check: skipped (exit {done.returncode}: {err[-1] if err else 'no output'})"
 
 
