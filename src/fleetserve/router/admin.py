@@ -190,7 +190,7 @@ def remove(router: Router, url: str) -> str | None:
 async def handle_list_workers(router: Router, request: Request) -> Response:
     body = {
         "urls": router.registry.urls(),
-        # each as worker_view.describe: "healthy" is false as soon as the circuit opens or an attempt fails
+        # each as worker_view.describe: "is_healthy" is false as soon as the circuit opens or an attempt fails
         "workers": [worker_view.describe(w) for w in router.registry.workers],
         # POST /drain_worker urls: still listed (and in "urls") until drained, but get no new requests
         "draining": [w.url for w in router.registry.workers if w.draining],

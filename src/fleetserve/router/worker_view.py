@@ -37,18 +37,19 @@ def describe(w: Worker) -> dict:
 
     smg's field names where it has one (``id``, ``url``, ``worker_type``,
     ``connection_mode``, ``is_healthy``, ``status``, ``load``, ``model_id``:
-    null, the router does not ask workers for it); then ours: ``healthy``
-    (same as ``is_healthy``), ``health_check`` (the health checks alone),
-    ``circuit_breaker`` (``closed`` / ``open`` / ``half_open``; also under
-    the older name ``circuit``), ``consecutive_failures`` (failed attempts
-    since the last good one), ``requests`` / ``failures`` (totals),
-    ``draining``.  ``load`` is requests in flight through this router.
+    null, the router does not ask workers for it); then ours, each once:
+    ``health_check`` (the health checks alone), ``circuit_breaker``
+    (``closed`` / ``open`` / ``half_open``), ``consecutive_failures``
+    (failed attempts since the last good one), ``requests`` / ``failures``
+    (totals), ``draining``.  ``load`` is requests in flight through this
+    router. (The duplicates ``healthy`` = ``is_healthy`` and ``circuit`` =
+    ``circuit_breaker`` were dropped.)
     """
     healthy = is_healthy(w)
     return {
         "id": w.url, "url": w.url, "model_id": None, "worker_type": "regular", "connection_mode": "Http",
         "is_healthy": healthy, "status": status(w), "load": w.load,
-        "healthy": healthy, "health_check": w.healthy, "circuit_breaker": w.breaker.state, "circuit": w.breaker.state,
+        "health_check": w.healthy, "circuit_breaker": w.breaker.state,
         "consecutive_failures": w.failed_in_row, "requests": w.requests, "failures": w.failures,
         "draining": w.draining,
     }

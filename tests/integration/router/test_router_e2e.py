@@ -138,7 +138,7 @@ async def test_worker_killed_mid_run_costs_no_request(procs):
         await load
         assert bad == [] and len(statuses) >= 72
         _, lw = await get_json(s, router + "/list_workers")
-        state = {w["url"]: w["circuit"] for w in lw["workers"]}
+        state = {w["url"]: w["circuit_breaker"] for w in lw["workers"]}
         # 72 requests after the kill: the dead worker took >= 10 first attempts (the default
         # --cb-failure-threshold), all failed, so its circuit is open and the others' closed
         assert state == {urls[0]: "closed", urls[1]: "open", urls[2]: "closed"}
