@@ -14,6 +14,11 @@ rows, i.e. one decode token and a 32-request decode step), one run times:
   stored fp16, float32 math; ``--quantization fp16_weight``);
 * ``_weight_int8pack_mm``: weight-only int8 (per output channel scale),
   float32 activations (the kernel torchao's int8 weight-only path uses on CPU);
+* ``bf16 oneDNN packed``: ``--quantization bf16_linear`` (:mod:`fleetserve.layers.bf16_gemm`;
+  AMX tiles where the CPU has them);
+* ``oneDNN int8 per-token``: ``torch.ops.onednn.qlinear_pointwise`` (the int8 linear inductor
+  emits for x86; AMX int8 where the CPU has it) with per-row int8 weights and int8
+  activations scaled per token, float32 output (no engine mode uses it yet);
 * ``torchao int8 wo`` / ``torchao int8 dyn``: torchao's current API
   (``quantize_`` with ``Int8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig``),
   when torchao imports.
@@ -60,7 +65,7 @@ def _cpu_flags() -> str:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    keep = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512vnni", "avx_vnni", "amx_int8", "avx512_bf16"]
+                    keep = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
                     return ", ".join(f for f in keep if f in flags) or "none of avx2/avx512/vnni"
     except OSError:
         pass
@@ -91,6 +96,26 @@ def _candidates(w: torch.Tensor) -> dict[str, callable]:
     scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
     wq = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
     out["_weight_int8pack_mm"] = lambda x: torch._weight_int8pack_mm(x, wq, scale)
+
+    from fleetserve.layers import bf16_gemm
+
+    if bf16_gemm.available():
+        b16 = bf16_gemm.Bf16LinearGemm(w)
+        out["bf16 oneDNN packed"] = b16  # --quantization bf16_linear (AMX where the CPU has it)
+    if hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        # oneDNN's int8 linear (AMX int8 where the CPU has it): symmetric int8 weights per row,
+        # int8 activations with one scale per token (rows scaled to [-127, 127] here), float32 out
+        packed_q = torch.ops.onednn.qlinear_prepack(wq, None)
+        zps = torch.zeros(w.shape[0], dtype=torch.int64)
+
+        def onednn_int8(x, packed_q=packed_q, scale=scale, zps=zps):
+            r = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
+            qx = torch.round(x / r).to(torch.int8)
+            y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, packed_q, scale, zps, None, 1.0, 0,
+                                                   torch.float32, "none", [], "")
+            return y.mul_(r)
+
+        out["oneDNN int8 per-token"] = onednn_int8
 
     try:
         with warnings.catch_warnings():
@@ -166,6 +191,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0.6, help="seconds per (shape, batch) cell")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--section", default="quant_linear", help="docs/benchmarks.md section to write")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -188,8 +214,8 @@ def main() -> None:
     if not a.no_doc:
         from doc_section import write_section
 
-        cmd = "python benchmarks/quant_linear.py" + (f" --threads {a.threads}" if a.threads else "")
-        write_section("quant_linear", "Int8 linears vs float32 on SmolLM2's shapes (CPU)", cmd, header + table)
+        cmd = " ".join(["python benchmarks/quant_linear.py"] + sys.argv[1:])
+        write_section(a.section, "Int8 linears vs float32 on SmolLM2's shapes (CPU)", cmd, header + table)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ from fleetserve.layers.smooth_quant import restore_norms
 #: ``int8-head`` = fp16 weights for the decoder linears (``fp16_weight``) and an int8 LM head whose
 #: top 16 logits per row are recomputed in float32 (``fleetserve.layers.rescored_head``).
 INT8_VARIANTS = ("int8-plain", "int8-smooth", "int8-token", "int8-resact", "int8-res", "int8-head")
+#: Benchmark-only ``bf16_linear`` variants: ``bf16_linear-f32head`` = bfloat16 decoder linears and the
+#: float32 LM head; ``bf16_linear-plainhead`` = a plain bfloat16 head (``bf16_linear`` before its head's
+#: top 16 logits were recomputed in float32, :class:`fleetserve.layers.rescored_head.RescoredHead`).
+BF16_VARIANTS = ("bf16_linear-f32head", "bf16_linear-plainhead")
 #: variant -> (smoothing, per_token, act_passes, weight_passes)
 _VARIANT_ARGS = {"": (True, True, 1, 1), "plain": (False, False, 1, 1), "smooth": (True, False, 1, 1),
                  "token": (False, True, 1, 1), "resact": (True, True, 2, 1), "res": (True, True, 2, 2)}
@@ -41,8 +45,18 @@ class ModeSwitcher:
         for mode in modes:
             for m in self.layers:
                 m._gemm = PackedLinear()
-            base, _, variant = mode.partition("-") if mode.startswith("int8-") else (mode, "", "")
-            if variant == "head":
+            base, _, variant = mode.partition("-") if mode.startswith(("int8-", "bf16_linear-")) else (mode, "", "")
+            if base == "bf16_linear":
+                from fleetserve.layers.bf16_gemm import Bf16LinearGemm
+                from fleetserve.layers.linear import ParallelLMHead
+
+                assert apply_quantization(runner.model, "bf16_linear", runner.device) == "bf16_linear"
+                for m in self.layers:
+                    if isinstance(m, ParallelLMHead) and variant == "f32head":
+                        m._gemm = PackedLinear()
+                    elif isinstance(m, ParallelLMHead) and variant == "plainhead":
+                        m._gemm = Bf16LinearGemm(m.weight)
+            elif variant == "head":
                 from fleetserve.layers.linear import ParallelLMHead
                 from fleetserve.layers.rescored_head import RescoredInt8Head
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quant_throughput import closed_loop  # noqa: E402
 
 #: Every ``--quantization`` value (``w8a8_int8`` is an alias of ``int8``) and one benchmark-only variant.
-MODES = ("none", "fp16_weight", "int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256", "auto",
+MODES = ("none", "fp16_weight", "bf16_linear", "int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256", "auto",
          "int8-plain")
 
 #: 32 prompts: instructions, facts, code and plain continuations.

@@ -1,6 +1,6 @@
 """Decode throughput of the built-in SmolLM2 with each ``--quantization`` mode, in one run.
 
-For every mode (``none`` = float32, ``int8``, ``fp16_weight``, ``int8wo``,
+For every mode (``none`` = float32, ``int8``, ``fp16_weight``, ``bf16_linear``, ``int8wo``,
 ``int4wo-32``) the in-process engine (the real scheduler + model runner, as
 ``benchmarks/engine_throughput.py``; one model, its linears switched between modes by
 ``quant_modes.py``) runs a closed loop of greedy requests at each concurrency (``c`` requests in
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_throughput import prompts_for  # noqa: E402
 
-MODES = ("none", "int8", "fp16_weight", "int8wo", "int4wo-32")
+MODES = ("none", "int8", "fp16_weight", "bf16_linear", "int8wo", "int4wo-32")
 
 
 def closed_loop(sched, prompt_ids: list[list[int]], conc: int, max_new: int, tag: str):
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     modes = ["none"] + [m for m in a.modes.split(",") if m != "none"]
 
-    from fleetserve.layers.quantization import cpu_flags
+    from fleetserve.core.cpu_features import cpu_flags
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer
     from quant_modes import build

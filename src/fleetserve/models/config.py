@@ -23,21 +23,22 @@ def is_gguf(model_path: str) -> bool:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"auto"`` -> bfloat16 when the CPU has AMX (or on CUDA), else float32;
-    ``"float32"`` / ``"bfloat16"`` / ``"float16"`` as named.
+    """``"auto"`` -> bfloat16 on CUDA, float32 on CPU; ``"float32"`` / ``"bfloat16"`` / ``"float16"`` as named.
 
-    AMX is read from ``torch.backends.cpu.get_cpu_capability()`` (``"AVX512"``
-    vs ``"AMX"``...); bf16 matmuls are several times faster than fp32 only
-    there (ARCHITECTURE.md, speed facts). Raises ValueError on other names.
+    On CPU ``auto`` stays float32 even where the CPU has AMX: on an AMX Xeon (2 cores,
+    2026-12-02) the whole model in bfloat16 decoded 1.7x float32's tokens/s at 32 requests
+    and was no faster at one, while ``--quantization bf16_linear`` (bfloat16 linears only,
+    the rest float32) reached 1.9x (docs/benchmarks.md, "bf16 linears on AMX"); both
+    change the greedy tokens, so neither is a default. (This function used to look for
+    ``"AMX"`` in ``torch.backends.cpu.get_cpu_capability()``, which never says it: it
+    reports ``"AVX512"`` on those Xeons, so ``auto`` was float32 there already.)
+    Raises ValueError on other names.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype.lower()
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.bfloat16
-        cap = str(torch.backends.cpu.get_cpu_capability()).upper()
-        return torch.bfloat16 if "AMX" in cap else torch.float32
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
     if name not in table:

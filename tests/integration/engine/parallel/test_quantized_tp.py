@@ -5,7 +5,10 @@ element, so shards round like the whole). int8: the two ranks agree with each ot
 but not with one rank: a row-parallel shard quantizes its half of the input with its
 own activation scale, so TP 2 int8 is a (slightly) different computation from TP 1
 int8, and on this tiny random model the greedy tokens differ. int8wo: equal to the single
-rank's (row-parallel shards take the whole row's scale, all-reduced at start-up)."""
+rank's (row-parallel shards take the whole row's scale, all-reduced at start-up). bf16_linear:
+equal to the single rank's here too (rounding to bf16 is per element; each row-parallel rank's
+partial sum is rounded to bf16 before the all-reduce, a difference of one bf16 step that did not
+change these tokens)."""
 
 import os
 import sys
@@ -27,7 +30,7 @@ N_NEW = 8
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm kernels on this CPU")
 
 
-@pytest.mark.parametrize("mode", ["fp16_weight", "int8", "int8wo"])
+@pytest.mark.parametrize("mode", ["fp16_weight", "int8", "int8wo", "bf16_linear"])
 def test_tp2_tokens_equal_single_rank(pool2, tiny_deepseek_v3_dir, mode):
     eng = build_rank_engine(0, tiny_deepseek_v3_dir, dtype="float32", max_total_tokens=512, quantization=mode)
     single = {rid: r["ids"] for rid, r in
@@ -36,7 +39,7 @@ def test_tp2_tokens_equal_single_rank(pool2, tiny_deepseek_v3_dir, mode):
                          timeout=120)
     assert per_rank[0] == per_rank[1], mode
     assert sorted(per_rank[0]) == sorted(single) and all(len(v) == N_NEW for v in per_rank[0].values())
-    if mode in ("fp16_weight", "int8wo"):  # int8wo: the shards' weights are the whole's (all-reduced row maxima)
+    if mode in ("fp16_weight", "int8wo", "bf16_linear"):  # int8wo: the shards' weights are the whole's (all-reduced row maxima)
         assert per_rank[0] == single
 
 

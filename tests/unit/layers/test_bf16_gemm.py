@@ -1,0 +1,129 @@
+"""--quantization bf16_linear: oneDNN bfloat16 linears against the exact product of the
+bf16-rounded operands (output rounded to bf16 too), shapes / bias / dtypes, per-shard equality under TP, the CPU flag test."""
+
+import pytest
+import torch
+
+from fleetserve.core.cpu_features import has_amx_bf16
+from fleetserve.layers import bf16_gemm
+from fleetserve.layers.bf16_gemm import Bf16LinearGemm
+from fleetserve.layers.linear import ColumnParallelLinear, RowParallelLinear, TPGroup
+from fleetserve.layers.quantization import apply_quantization, resolve_quantization
+
+pytestmark = pytest.mark.skipif(not bf16_gemm.available(), reason="no oneDNN packed linear in this torch")
+
+SHAPES = [(576, 960), (1536, 576), (576, 49152 // 16)]
+
+
+def rel(y, ref):
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+def rounded_ref(x, w):
+    """The product of the bf16-rounded operands, accumulated in float64 (what the kernel approximates)."""
+    return (x.bfloat16().double() @ w.bfloat16().double().T).float()
+
+
+def within_one_bf16_ulp(y, ref):
+    """oneDNN accumulates in float32 and rounds its output to bfloat16 (relative half-ulp 2^-9)."""
+    return bool((y - ref).abs().le(ref.abs() * 2 ** -8 + 1e-6).all())
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 32, 130])
+def test_gemm_is_the_product_of_bf16_rounded_operands(k, n, rows):
+    g = torch.Generator().manual_seed(k + n + rows)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    x = torch.randn(rows, k, generator=g)
+    y = Bf16LinearGemm(w)(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    # the exact product of the rounded operands, rounded once more to bf16 ...
+    assert within_one_bf16_ulp(y, rounded_ref(x, w))
+    assert torch.equal(y, y.bfloat16().float())
+    # ... which puts it ~3e-3 from float32 (three roundings of 2^-9 per element)
+    assert 1e-3 < rel(y, x @ w.T) < 6e-3
+
+
+def test_shapes_bias_and_dtype():
+    w, b = torch.randn(16, 8), torch.randn(16)
+    x = torch.randn(2, 3, 8)
+    gemm = Bf16LinearGemm(w)
+    y = gemm(x, w, b)
+    assert y.shape == (2, 3, 16) and y.dtype == torch.float32
+    assert within_one_bf16_ulp(y - b, rounded_ref(x.reshape(6, 8), w).reshape(2, 3, 16))
+    assert gemm(torch.randn(0, 8)).shape == (0, 16)
+    assert gemm(x.bfloat16()).dtype == torch.bfloat16
+    assert gemm(x[:, :, :].transpose(0, 1)).shape == (3, 2, 16)  # non-contiguous input
+
+
+def test_amx_detection_needs_both_flags():
+    assert has_amx_bf16({"amx_bf16", "amx_tile", "avx512f"})
+    assert not has_amx_bf16({"amx_tile", "amx_int8"}) and not has_amx_bf16({"avx512_bf16", "avx512f"})
+
+
+def test_mode_resolves_and_swaps_every_linear_per_shard():
+    assert resolve_quantization("bf16_linear") == "bf16_linear"
+    with pytest.raises(ValueError, match=r"^--quantization bf16_linear runs on CPU only"):
+        resolve_quantization("bf16_linear", "cuda")
+
+    class Src:
+        def __init__(self, **t):
+            self.t = t
+
+        def read(self, name, dim=None, start=None, end=None):
+            x = self.t[name]
+            return x if dim is None else x.narrow(dim, start, end - start)
+
+    g = torch.Generator().manual_seed(3)
+    src = Src(up=torch.randn(64, 48, generator=g) / 7, down=torch.randn(48, 64, generator=g) / 8)
+    x = torch.randn(5, 48, generator=g)
+
+    def build(rank, size):
+        col = ColumnParallelLinear(48, [64], tp=TPGroup(rank, size))
+        col.load(src, "up")
+        row = RowParallelLinear(64, 48, tp=TPGroup(rank, size), reduce_results=False)
+        row.load(src, "down")
+        assert apply_quantization(torch.nn.ModuleList([col, row]), "bf16_linear") == "bf16_linear"
+        assert isinstance(col._gemm, Bf16LinearGemm) and isinstance(row._gemm, Bf16LinearGemm)
+        return col, row
+
+    full_col, full_row = build(0, 1)
+    with torch.inference_mode():
+        y_full = full_col(x)
+        parts, row_sum = [], 0
+        for r in range(2):
+            col, row = build(r, 2)
+            parts.append(col(x))
+            row_sum = row_sum + row(y_full[:, r * 32:(r + 1) * 32])
+        # bf16 rounding is per element: column shards are exactly the whole's columns; the
+        # row-parallel partial sums are rounded to bf16 before they are added
+        assert torch.equal(torch.cat(parts, -1), y_full)
+        assert rel(row_sum, full_row(y_full)) < 6e-3  # each shard's output is rounded to bf16 on its own
+        assert 1e-3 < rel(y_full, x @ src.t["up"].T) < 6e-3
+
+
+def test_lm_head_top_logits_are_float32s():
+    """The LM head's 16 largest bf16 logits per row are recomputed in float32: on rows built with
+    near ties among the top tokens the argmax is float32's, where the plain bf16 head flips some."""
+    from fleetserve.layers.linear import ParallelLMHead
+    from fleetserve.layers.rescored_head import RescoredHead
+
+    g = torch.Generator().manual_seed(5)
+    vocab, hidden, rows = 4096, 64, 256
+    head = ParallelLMHead(vocab, hidden)
+    head.weight.data.copy_(torch.randn(vocab, hidden, generator=g))
+    h = torch.randn(rows, hidden, generator=g)
+    # near ties: the top rows of the weight nearly repeat, so the top logits differ by ~1e-3 relative
+    head.weight.data[:8] = head.weight.data[0] + 1e-3 * torch.randn(8, hidden, generator=g)
+    h[:, :] = h + 3 * head.weight.data[0] / head.weight.data[0].norm()
+    with torch.inference_mode():
+        ref = h @ head.weight.T
+        assert apply_quantization(torch.nn.ModuleList([head]), "bf16_linear") == "bf16_linear"
+        assert isinstance(head._gemm, RescoredHead)
+        got = head(h)
+        plain = Bf16LinearGemm(head.weight)(h)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert (plain.argmax(-1) != ref.argmax(-1)).sum() > 0  # the test has ties bf16 alone gets wrong
+    top = ref.topk(4, -1).indices  # float32's top 4 are among bf16's top 16, so recomputed exactly
+    assert torch.allclose(got.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-5)
