@@ -127,3 +127,13 @@ def test_top_p_top_k_sampling_follows_masked_softmax():
         ref = mask_probs(torch.softmax(logits / 0.9, -1).unsqueeze(0), one(sp.top_k), one(sp.top_p),
                          one(sp.min_p))[0]
         assert torch.allclose(freq, ref, atol=0.02), (kw, freq, ref)
+
+
+def test_greedy_takes_the_first_of_tied_maxima():
+    """Greedy rows pick argmax's index (the first maximum) even where several logits tie."""
+    logits = torch.tensor([[1.0, 3.0, 0.5, 3.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0], [0.0, -1.0, 4.0, 4.0, -5.0]])
+    out = Sampler(0)(logits.clone(), [req(temperature=0.0) for _ in range(3)])
+    assert out.next_ids == [1, 0, 2]
+    g = torch.Generator().manual_seed(1)
+    many = torch.randint(0, 4, (64, 3000), generator=g).float()  # thousands of ties per row
+    assert Sampler(0)(many.clone(), [req(temperature=0.0) for _ in range(64)]).next_ids == many.argmax(-1).tolist()
