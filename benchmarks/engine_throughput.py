@@ -351,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-note", default="", help="how that llama-server was built (printed in the doc)")
     ap.add_argument("--llama-ctx-per-slot", type=int, default=512, help="llama-server context tokens per slot")
     ap.add_argument("--systems-quantization", default="none,int8,fp16_weight",
-                    help="fleetserve serve --quantization modes in the systems section")
+                    help="fleetserve serve --quantization modes in the systems section; MODE+compile adds "
+                         "--enable-torch-compile (e.g. bf16_linear+compile)")
+    ap.add_argument("--systems-section", default="engine_systems",
+                    help="docs/benchmarks.md section the systems table goes to (a new name is appended)")
     ap.add_argument("--systems-requests", default="", help="requests per level, equal lengths (e.g. 4,16,32)")
     ap.add_argument("--systems-mixed-requests", default="", help="requests per level, mixed lengths (e.g. 4,16,48)")
     ap.add_argument("--quick", action="store_true", help="tiny run, print only")
@@ -530,7 +533,7 @@ def write_systems(args, path: str) -> None:
         from doc_section import write_section
 
         cmd = " ".join(["python benchmarks/engine_throughput.py", *sys.argv[1:]])
-        write_section("engine_systems", "Serving systems: fleetserve vs transformers vs llama.cpp (SmolLM2, CPU)",
+        write_section(args.systems_section, "Serving systems: fleetserve vs transformers vs llama.cpp (SmolLM2, CPU)",
                       cmd, text)
 
 

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests-per-level", type=int, default=0, help="default: max(4, 2 x concurrency); -1: one wave (= concurrency)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--section", default="quant_throughput", help="docs/benchmarks.md section to write")
     a = ap.parse_args(argv)
     if a.quick:
         a.max_new_tokens, a.concurrency, a.no_write = 8, "1,4", True
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((c, n, mode, tps, tps / res["none"][0], ttft, same / total))
             print(f"c={c} n={n} {mode:>11}: {tps:7.1f} tok/s ({tps / res['none'][0]:.2f}x) "
                   f"TTFT {ttft * 1000:6.0f} ms, tokens = float32's: {same / total:.1%}", flush=True)
-    flags = sorted(cpu_flags() & {"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"})
+    flags = sorted(cpu_flags() & {"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                                   "amx_bf16", "amx_int8"})
     body = (f"torch {torch.__version__}, {a.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
             f"flags: {', '.join(flags)}. {a.max_new_tokens} greedy output tokens per request (ignore_eos), "
             "closed loop; modes interleaved per level; \"= float32\" is the share of output tokens equal to "
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_write:
         from doc_section import write_section
 
-        write_section("quant_throughput", "Engine decode throughput by --quantization (SmolLM2, CPU)",
+        write_section(a.section, "Engine decode throughput by --quantization (SmolLM2, CPU)",
                       " ".join(["python benchmarks/quant_throughput.py"] + sys.argv[1:]), body)
     return 0
 

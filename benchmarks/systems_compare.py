@@ -31,7 +31,7 @@ import torch
 
 import serving_systems as ss
 
-MODES = ("none", "int8", "fp16_weight")
+MODES = ("none", "int8", "fp16_weight")  # the default --systems-quantization; any mode (+compile) runs
 MODE_LABEL = {"none": "fleetserve float32 (--quantization none)", "int8": "fleetserve --quantization int8",
               "fp16_weight": "fleetserve --quantization fp16_weight"}
 
@@ -195,7 +195,7 @@ def _section(args, rows, systems, version, via, notes, levels, mixed_range) -> s
                     f"| {retries} |")
     body.append("")
     # the aims
-    fs = [m for m in systems if m in MODES]
+    fs = [m for m in systems if m not in ("llama.cpp", "transformers")]  # the fleetserve modes
     aims = []
     c1, cmax = min(levels), max(levels)
     ll1 = by.get(("equal", c1, "llama.cpp"))
