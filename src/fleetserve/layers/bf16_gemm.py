@@ -55,6 +55,10 @@ class Bf16LinearGemm:
         w = weight.detach().to(torch.bfloat16).contiguous()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
 
+    def bf16_2d(self, xb: torch.Tensor) -> torch.Tensor:
+        """The kernel alone: ``xb`` contiguous bfloat16 ``[rows >= 1, in]`` -> bfloat16 ``[rows, out]``."""
+        return torch.ops.mkldnn._linear_pointwise(xb, self._packed, None, "none", [], "")
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         dtype, shape = x.dtype, x.shape
@@ -62,8 +66,7 @@ class Bf16LinearGemm:
         if x2.shape[0] == 0:
             y = x2.new_zeros(0, self.out_features, dtype=torch.float32)
         else:
-            xb = x2.to(torch.bfloat16).contiguous()
-            y = torch.ops.mkldnn._linear_pointwise(xb, self._packed, None, "none", [], "").float()
+            y = self.bf16_2d(x2.to(torch.bfloat16).contiguous()).float()
         if bias is not None:
             y = y + bias.float()
         y = y.reshape(*shape[:-1], self.out_features)

@@ -12,7 +12,9 @@ table of weak references, given by :func:`register_gemm_layers` before compiling
 
 An fp16-weight linear with the C++ op of :mod:`fleetserve.layers.fp16_gemm_ext` switched on
 (``FLEETSERVE_FP16_GEMM_EXT=1``) emits ``fleetserve_fp16::gemm(x, ext_handle)`` instead (2-D float32
-``x``, no bias): the same kernel, reached without a Python body.
+``x``, no bias): the same kernel, reached without a Python body. A ``bf16_linear`` layer (2-D ``x``)
+emits ``fleetserve::gemm_bf16(x.to(bfloat16), handle).to(x.dtype)``: the kernel alone in the op, the
+casts as graph nodes (the same values as eager: the same casts and the same kernel).
 
 Output: ``[..., weight.shape[0]]`` in ``x``'s dtype (every ``_gemm`` returns that).
 """
@@ -62,6 +64,24 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], handl
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+#: ``fleetserve::gemm_bf16(xb, handle)``: the ``bf16_linear`` kernel alone on a 2-D bfloat16 input
+#: (:meth:`fleetserve.layers.bf16_gemm.Bf16LinearGemm.bf16_2d`), so the casts to and from bfloat16 stay in
+#: the graph, where inductor fuses them into the neighbouring kernels, and the op's Python body is one call.
+_LIB.define("gemm_bf16(Tensor xb, int handle) -> Tensor")
+
+
+def _gemm_bf16_op(xb: torch.Tensor, handle: int) -> torch.Tensor:
+    return _LAYERS[handle]._gemm.bf16_2d(xb)
+
+
+_LIB.impl("gemm_bf16", _gemm_bf16_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fleetserve::gemm_bf16", lib=_LIB)
+def _(xb: torch.Tensor, handle: int) -> torch.Tensor:
+    return xb.new_empty((xb.shape[0], _LAYERS[handle]._gemm.out_features))
+
+
 def linear_gemm(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``layer._gemm(x, weight, bias)``; through ``fleetserve::gemm`` while compiling a registered layer."""
@@ -70,5 +90,8 @@ def linear_gemm(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
         ext = getattr(getattr(layer, "_gemm", None), "_ext", None)
         if ext is not None and bias is None and x.dim() == 2 and x.dtype == torch.float32:
             return torch.ops.fleetserve_fp16.gemm(x, ext)  # C++ all the way (layers/fp16_gemm_ext.py)
+        if hasattr(layer._gemm, "bf16_2d") and x.dim() == 2:  # bf16_linear: the casts stay in the graph
+            y = torch.ops.fleetserve.gemm_bf16(x.to(torch.bfloat16).contiguous(), handle)
+            return y.to(x.dtype) if bias is None else y.to(x.dtype) + bias.to(x.dtype)
         return torch.ops.fleetserve.gemm(x, weight, bias, handle)
     return layer._gemm(x, weight, bias)

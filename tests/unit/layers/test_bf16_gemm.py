@@ -127,3 +127,43 @@ def test_lm_head_top_logits_are_float32s():
     top = ref.topk(4, -1).indices  # float32's top 4 are among bf16's top 16, so recomputed exactly
     assert torch.allclose(got.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(plain.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-5)
+
+
+class CountingGemm(Bf16LinearGemm):
+    """Counts which entry a compiled graph used: the bare kernel (bf16_2d) or the whole call."""
+
+    __slots__ = ("kernel_calls", "whole_calls")
+
+    def __init__(self, weight):
+        super().__init__(weight)
+        self.kernel_calls = self.whole_calls = 0
+
+    def bf16_2d(self, xb):
+        self.kernel_calls += 1
+        return super().bf16_2d(xb)
+
+    def __call__(self, x, weight=None, bias=None):
+        self.whole_calls += 1
+        return super().__call__(x, weight, bias)
+
+
+@pytest.mark.timeout(300)
+def test_compiled_graph_calls_the_bare_kernel_with_eagers_values():
+    """Under torch.compile a bf16_linear layer emits fleetserve::gemm_bf16 (the kernel alone; the casts
+    are graph nodes inductor fuses) and gives eager's values bit for bit."""
+    from fleetserve.layers.opaque_gemm import register_gemm_layers
+
+    g = torch.Generator().manual_seed(7)
+    col = ColumnParallelLinear(48, [64], tp=TPGroup(0, 1))
+    col.weight.data.copy_(torch.randn(64, 48, generator=g) / 7)
+    col._gemm = CountingGemm(col.weight)
+    assert register_gemm_layers(torch.nn.ModuleList([col])) == 1
+    x = torch.randn(6, 48, generator=g)
+    with torch.inference_mode():
+        want = col(x) * 2 - 1  # exact element-wise ops: inductor's kernel gives the same bits
+        assert (col._gemm.whole_calls, col._gemm.kernel_calls) == (1, 1)
+        f = torch.compile(lambda t: col(t) * 2 - 1, fullgraph=True)
+        got = f(x)
+        got2 = f(x)
+    assert torch.equal(got, want) and torch.equal(got2, want)
+    assert col._gemm.whole_calls == 1 and col._gemm.kernel_calls >= 3  # compiled calls: the bare kernel only
