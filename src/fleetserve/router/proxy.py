@@ -100,11 +100,14 @@ def _upstream_error(e: UpstreamError, message: str) -> dict:
 
 async def handle_inference(router: Router, request: Request) -> Response | None:
     """Parse, route and proxy one inference request (the server already enforced the size limit)."""
+    if not request.body:  # the engine's words for it (entrypoints/http/body.py)
+        router.stats.bad_requests += 1
+        return json_error(400, "request body is empty; send a JSON object")
     try:
         body = orjson.loads(request.body)
     except orjson.JSONDecodeError as e:
         router.stats.bad_requests += 1
-        return json_error(400, f"malformed JSON body: {e}")
+        return json_error(400, f"malformed JSON body: {e}", code="invalid_json")  # the engine's code too
     if type(body) is not dict:
         router.stats.bad_requests += 1
         return json_error(400, "the request body must be a JSON object")

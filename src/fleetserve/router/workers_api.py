@@ -78,7 +78,7 @@ async def handle_create(router: Router, request: Request) -> Response:
     try:
         body = orjson.loads(request.body)
     except orjson.JSONDecodeError as e:
-        return json_error(400, f"malformed JSON body: {e}")
+        return json_error(400, f"malformed JSON body: {e}", code="invalid_json")
     if type(body) is not dict:
         return json_error(400, "the request body must be a JSON object")
     raw = body.get("url")

@@ -194,7 +194,7 @@ async def test_errors_health_and_info_endpoints(procs, tmp_path):
     async with aiohttp.ClientSession() as s:
         async with s.post(router + "/v1/completions", data=b"{not json", timeout=T) as r:
             err = (await r.json())["error"]
-            assert r.status == 400 and err["code"] is None and err["param"] is None
+            assert r.status == 400 and err["code"] == "invalid_json" and err["param"] is None  # the engine's code
         async with s.post(router + "/v1/completions", data=b"[1, 2]", timeout=T) as r:
             assert r.status == 400
         assert await metric(s, router, "fleetserve_router_bad_requests_total") == 2

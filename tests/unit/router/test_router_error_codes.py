@@ -57,6 +57,10 @@ async def test_router_error_codes_are_strings_or_null(InProcessRouter, start_app
                     seen["info, no worker"] = (resp.status, check_shape(await resp.json())["code"])
                 async with s.post(r.url + "/generate", data=b"{nope") as resp:
                     seen["malformed JSON"] = (resp.status, check_shape(await resp.json())["code"])
+                async with s.post(r.url + "/generate", data=b"") as resp:
+                    j = check_shape(await resp.json())
+                    seen["empty body"] = (resp.status, j["code"])
+                    assert j["message"] == "request body is empty; send a JSON object"
                 async with s.post(r.url + "/generate", data=b"[1]") as resp:
                     seen["not an object"] = (resp.status, check_shape(await resp.json())["code"])
                 async with s.get(r.url + "/nope") as resp:
@@ -89,7 +93,8 @@ async def test_router_error_codes_are_strings_or_null(InProcessRouter, start_app
     assert seen == {
         "no worker": (503, "no_healthy_worker"),
         "info, no worker": (503, "no_healthy_worker"),
-        "malformed JSON": (400, None),
+        "malformed JSON": (400, "invalid_json"),  # as the engine answers it
+        "empty body": (400, None),
         "not an object": (400, None),
         "no route": (404, None),
         "wrong method": (405, None),
