@@ -28,11 +28,14 @@ def test_default_model_is_the_smollm2_gguf():
 def test_dtype_resolution(monkeypatch):
     assert resolve_dtype("float32") is torch.float32
     assert resolve_dtype("bfloat16") is torch.bfloat16
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AMX")
+    # auto on CPU is float32 whatever the CPU (AMX included: bf16 is --quantization bf16_linear's
+    # opt-in, lossy), bfloat16 on CUDA
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cap in ("AMX", "AVX512", "AVX2"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda cap=cap: cap)
+        assert resolve_dtype("auto") is torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_dtype("auto") is torch.bfloat16
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert resolve_dtype("auto") is torch.float32
     with pytest.raises(ValueError):
         resolve_dtype("int3")
 
