@@ -24,18 +24,12 @@ from __future__ import annotations
 
 import torch
 
-
-#: Batch-size hint for the reordered layout (decode batches of up to 32 tokens).
-PACK_BATCH_HINT = 32
+from fleetserve.layers.cpu_gemm import PACK_BATCH_HINT, packed_linear_ops_available
 
 
 def available() -> bool:
     """Whether torch has oneDNN's packed linear here (the kernel pair this module calls)."""
-    try:
-        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    except (AttributeError, RuntimeError):
-        return False
+    return packed_linear_ops_available()
 
 
 class Bf16LinearGemm:

@@ -41,14 +41,19 @@ MIN_ROWS = 4
 MAX_ROWS = 128
 
 
-def _available() -> bool:
-    if os.environ.get("FLEETSERVE_ONEDNN_LINEAR", "1") in ("0", "false", "no"):
-        return False
+def packed_linear_ops_available() -> bool:
+    """Whether torch has oneDNN's weight reorder and packed linear (also used by ``bf16_linear``)."""
     try:
         return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     except (AttributeError, RuntimeError):
         return False
+
+
+def _available() -> bool:
+    if os.environ.get("FLEETSERVE_ONEDNN_LINEAR", "1") in ("0", "false", "no"):
+        return False
+    return packed_linear_ops_available()
 
 
 ENABLED = _available()

@@ -77,9 +77,6 @@ WEIGHT_ONLY_CHOICES = ("int8wo",) + tuple(f"int4wo-{g}" for g in INT4_GROUP_SIZE
 #: ``bf16_linear``: this project's too: weights and linear inputs in bfloat16, float32 accumulation and
 #: output, everything else float32 (oneDNN; fast where the CPU has AMX: :mod:`fleetserve.layers.bf16_gemm`).
 QUANTIZATION_CHOICES = ("none", "int8", "w8a8_int8", "fp16_weight", "bf16_linear") + WEIGHT_ONLY_CHOICES + ("auto",)
-#: LM-head logits per row that ``bf16_linear`` recomputes in float32
-#: (:data:`fleetserve.layers.rescored_head.TOP_K`).
-TOP_K_RESCORED = 16
 #: Modes that need fbgemm (x86 CPU).
 FBGEMM_MODES = ("int8", "w8a8_int8", "fp16_weight")
 #: Modes with CPU-only kernels.
@@ -350,7 +347,7 @@ def apply_quantization(model: nn.Module, value: str | None, device: str | torch.
         return _apply_weight_only(layers, value, mode)
     if mode == "bf16_linear":
         from fleetserve.layers.linear import ParallelLMHead
-        from fleetserve.layers.rescored_head import RescoredHead
+        from fleetserve.layers.rescored_head import TOP_K, RescoredHead
 
         for m in layers:
             m._gemm = bf16_gemm.Bf16LinearGemm(m.weight)
@@ -358,7 +355,7 @@ def apply_quantization(model: nn.Module, value: str | None, device: str | torch.
                 m._gemm = RescoredHead(m.weight, m._gemm)
         logger.info("--quantization %s: %d linears in bfloat16 (oneDNN packed, float32 accumulation; AMX %s), "
                     "the LM head's top %d logits per row recomputed in float32", value, len(layers),
-                    "yes" if has_amx_bf16() else "no: slow on this CPU", TOP_K_RESCORED)
+                    "yes" if has_amx_bf16() else "no: slow on this CPU", TOP_K)
         return mode
     if mode == "fp16_weight":
         for m in layers:

@@ -21,7 +21,7 @@ import torch
 
 from fleetserve.layers.quantization import Int8DynamicGemm
 
-#: Candidates recomputed per row (``fleetserve.layers.quantization.TOP_K_RESCORED`` is the same 16).
+#: Candidates recomputed per row (``--quantization bf16_linear``'s head and the int8 variant).
 TOP_K = 16
 
 

@@ -7,8 +7,9 @@ import torch
 from fleetserve.core.cpu_features import has_amx_bf16
 from fleetserve.layers import bf16_gemm
 from fleetserve.layers.bf16_gemm import Bf16LinearGemm
-from fleetserve.layers.linear import ColumnParallelLinear, RowParallelLinear, TPGroup
+from fleetserve.layers.linear import ColumnParallelLinear, TPGroup
 from fleetserve.layers.quantization import apply_quantization, resolve_quantization
+from helpers.weight_source import DictSource, column_row_pair
 
 pytestmark = pytest.mark.skipif(not bf16_gemm.available(), reason="no oneDNN packed linear in this torch")
 
@@ -66,24 +67,12 @@ def test_mode_resolves_and_swaps_every_linear_per_shard():
     with pytest.raises(ValueError, match=r"^--quantization bf16_linear runs on CPU only"):
         resolve_quantization("bf16_linear", "cuda")
 
-    class Src:
-        def __init__(self, **t):
-            self.t = t
-
-        def read(self, name, dim=None, start=None, end=None):
-            x = self.t[name]
-            return x if dim is None else x.narrow(dim, start, end - start)
-
     g = torch.Generator().manual_seed(3)
-    src = Src(up=torch.randn(64, 48, generator=g) / 7, down=torch.randn(48, 64, generator=g) / 8)
+    src = DictSource(up=torch.randn(64, 48, generator=g) / 7, down=torch.randn(48, 64, generator=g) / 8)
     x = torch.randn(5, 48, generator=g)
 
     def build(rank, size):
-        col = ColumnParallelLinear(48, [64], tp=TPGroup(rank, size))
-        col.load(src, "up")
-        row = RowParallelLinear(64, 48, tp=TPGroup(rank, size), reduce_results=False)
-        row.load(src, "down")
-        assert apply_quantization(torch.nn.ModuleList([col, row]), "bf16_linear") == "bf16_linear"
+        col, row = column_row_pair(src, rank, size, "bf16_linear")
         assert isinstance(col._gemm, Bf16LinearGemm) and isinstance(row._gemm, Bf16LinearGemm)
         return col, row
 

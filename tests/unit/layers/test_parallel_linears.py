@@ -5,22 +5,14 @@ import torch
 
 from fleetserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup,
                                       VocabParallelEmbedding)
-
-
-class Src:
-    def __init__(self, **t):
-        self.t = t
-
-    def read(self, name, dim=None, start=None, end=None):
-        x = self.t[name]
-        return x if dim is None else x.narrow(dim, start, end - start)
+from helpers.weight_source import DictSource
 
 
 def test_column_row_vocab_shards_recombine():
     g = torch.Generator().manual_seed(0)
     gate, up, down = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g), torch.randn(6, 8, generator=g)
     emb = torch.randn(11, 6, generator=g)
-    src = Src(gate=gate, up=up, down=down, emb=emb)
+    src = DictSource(gate=gate, up=up, down=down, emb=emb)
     x = torch.randn(5, 6, generator=g)
     ids = torch.tensor([0, 3, 5, 6, 10])
     col_parts, row_sum, head_parts = [], 0, []

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from fleetserve.engine.args import ServerArgs
-from fleetserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup
+from fleetserve.layers.linear import ColumnParallelLinear, ParallelLMHead
 from fleetserve.layers.quantization import (Fp16WeightGemm, Int8DynamicGemm, activation_grid, apply_quantization,
                                             fbgemm_available, has_vnni, quantize_weight_per_row, resolve_quantization)
+from helpers.weight_source import DictSource, column_row_pair
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm kernels on this CPU")
 
@@ -87,15 +88,6 @@ def test_vnni_detection_decides_reduce_range():
     assert has_vnni({"avx2", "avx512_vnni"}) and has_vnni({"avx_vnni"}) and not has_vnni({"avx2", "fma"})
 
 
-class Src:
-    def __init__(self, **t):
-        self.t = t
-
-    def read(self, name, dim=None, start=None, end=None):
-        x = self.t[name]
-        return x if dim is None else x.narrow(dim, start, end - start)
-
-
 @pytest.mark.parametrize("mode", ["int8", "fp16_weight"])
 def test_tp_shards_quantize_per_shard(mode):
     """Column shards of a quantized layer equal the matching columns of the unsharded
@@ -104,15 +96,10 @@ def test_tp_shards_quantize_per_shard(mode):
     g = torch.Generator().manual_seed(1)
     up, down = torch.randn(64, 48, generator=g) / 7, torch.randn(48, 64, generator=g) / 8
     x = torch.randn(5, 48, generator=g)
-    src = Src(up=up, down=down)
+    src = DictSource(up=up, down=down)
 
     def build(rank, size):
-        col = ColumnParallelLinear(48, [64], tp=TPGroup(rank, size))
-        col.load(src, "up")
-        row = RowParallelLinear(64, 48, tp=TPGroup(rank, size), reduce_results=False)
-        row.load(src, "down")
-        model = torch.nn.ModuleList([col, row])
-        assert apply_quantization(model, mode) == mode
+        col, row = column_row_pair(src, rank, size, mode)
         assert all(not hasattr(m._gemm, "_key") for m in (col, row))  # swapped off the float path
         return col, row
 
@@ -177,7 +164,7 @@ def test_apply_quantization_passes_reach_the_linears():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 48, generator=g) / 7
     col = ColumnParallelLinear(48, [64])
-    col.load(Src(w=w), "w")
+    col.load(DictSource(w=w), "w")
     x = torch.randn(5, 48, generator=g)
     with torch.inference_mode():
         assert apply_quantization(torch.nn.ModuleList([col]), "int8") == "int8"

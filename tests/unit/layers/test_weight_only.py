@@ -11,6 +11,7 @@ from fleetserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowPa
 from fleetserve.layers.quantization import QUANTIZATION_CHOICES, apply_quantization, resolve_quantization
 from fleetserve.layers.weight_only import (Int4WeightOnlyGemm, Int8WeightOnlyGemm, quantize_int4_groups,
                                            quantize_int8_rows)
+from helpers.weight_source import DictSource
 
 SHAPES = [(576, 960), (576, 576), (1536, 576), (64, 40)]  # (in, out): SmolLM2's, and one with out % 16 != 0
 
@@ -81,20 +82,11 @@ def test_gemm_shapes_bias_dtype_and_empty():
         assert gemm(x.bfloat16()).dtype == torch.bfloat16
 
 
-class Src:
-    def __init__(self, **t):
-        self.t = t
-
-    def read(self, name, dim=None, start=None, end=None):
-        x = self.t[name]
-        return x if dim is None else x.narrow(dim, start, end - start)
-
-
 @pytest.mark.parametrize("mode", ["int8wo", "int4wo-32"])
 def test_column_shards_equal_unsharded_rows(mode):
     """Column shards hold whole rows: their quantized weights are the unsharded ones' rows, bit for bit."""
     g = torch.Generator().manual_seed(2)
-    src = Src(up=torch.randn(96, 64, generator=g) / 8)
+    src = DictSource(up=torch.randn(96, 64, generator=g) / 8)
     x = torch.randn(3, 64, generator=g)
 
     def col(rank, size):
@@ -112,7 +104,7 @@ def test_column_shards_equal_unsharded_rows(mode):
 
 def test_int4_row_shards_are_whole_groups():
     g = torch.Generator().manual_seed(3)
-    src = Src(down=torch.randn(48, 128, generator=g) / 11)
+    src = DictSource(down=torch.randn(48, 128, generator=g) / 11)
     shards = []
     for r, size in [(0, 1), (0, 2), (1, 2)]:
         m = RowParallelLinear(128, 48, tp=TPGroup(r, size), reduce_results=False)
