@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--compile", action="store_true", help="--enable-torch-compile (buckets up to --batch)")
+    ap.add_argument("--fused-attention", action="store_true",
+                    help="compiled step: attention as fused reductions over the pool (attention.FUSED_DECODE_ATTENTION)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warm-steps", type=int, default=20)
@@ -48,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer
 
+    if a.fused_attention:
+        from fleetserve.layers import attention
+        attention.FUSED_DECODE_ATTENTION = True
     tok = load_tokenizer(default_model_path())
     args = ServerArgs(model_path=default_model_path(), dtype="float32", max_total_tokens=16384, random_seed=0,
                       quantization=a.quantization, enable_torch_compile=a.compile, torch_compile_max_bs=a.batch)

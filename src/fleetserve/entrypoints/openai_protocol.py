@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -243,8 +243,17 @@ class ChatCompletionResponse(_Loose):
 
 
 class DeltaMessage(_Loose):
+    """A streamed chunk's ``delta``: only the fields it carries are written (OpenAI's stream
+    sends ``{"role": "assistant", "content": ""}`` first, then ``{"content": ...}`` or
+    ``{"tool_calls": [...]}``, and ``{}`` with the finish reason; vLLM serialises its chunks
+    with ``exclude_unset`` for the same result), never ``"role": null``."""
+
     role: Optional[str] = None
     content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _only_what_is_set(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(_Loose):

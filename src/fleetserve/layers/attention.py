@@ -16,6 +16,13 @@ scaled_dot_product_attention`` call does the work (``enable_gqa`` for GQA/MQA).
 When padding would waste too much (one long prompt next to many short ones),
 :meth:`ForwardContext.build` splits the batch into a few groups of similar
 lengths and :func:`attend` runs one such call per group.
+
+Inside a compiled decode step (``--enable-torch-compile`` on CPU) a DECODE batch
+can take :func:`decode_attention_reduction` instead (:data:`FUSED_DECODE_ATTENTION`, off by
+default): the same attention written as
+elementwise products and sums, which inductor turns into loops that read each
+request's K/V rows from the pool through ``kv_idx`` (the gather is fused into the
+score and output reductions, so no padded copy of K/V is written and read back).
 """
 
 from __future__ import annotations
@@ -37,6 +44,54 @@ def gather_rows(buffer: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
     return buffer.index_select(0, kv_idx.reshape(-1)).view(B, L, *buffer.shape[1:])
 
 
+#: Compiled DECODE steps on CPU use :func:`decode_attention_reduction` when True (read at trace time).
+#: Off by default: alone (one layer, 32 requests of 100-250 tokens) it measured ~2x SDPA over a
+#: gathered copy, but in SmolLM2's whole compiled step its first form was slower (inductor recomputed
+#: the queries' RoPE inside the score loop, 47-58 vs 44-55 ms per step); the form below, which makes
+#: inductor write the queries out first, has not been measured in the whole step yet.
+#: benchmarks/decode_step_profile.py ``--fused-attention`` turns it on for that A/B.
+FUSED_DECODE_ATTENTION = False
+
+
+def decode_attention_reduction(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                               scale: float) -> torch.Tensor:
+    """Decode attention (one query per request) as plain reductions, for inductor to fuse.
+
+    Args:
+        q: ``[B, hq, dk]`` one query per request.
+        k: ``[B, L, hk, dk]`` keys (usually a gather of the pool, left unmaterialised by
+            inductor); ``hq % hk == 0``, query head ``i`` reads KV head ``i // (hq // hk)``
+            (the grouping of SDPA's ``enable_gqa``).
+        v: ``[B, L, hk, dv]`` values.
+        mask: additive ``[B, 1, 1, L]`` (0 / -inf; every row has a 0), or None.
+        scale: softmax scale.
+
+    Returns ``[B, hq, dv]`` in ``q``'s dtype, computed in float32. In eager mode this is
+    slower than SDPA (it materialises ``[B, L, hk, g, dk]`` products); it exists for the
+    compiled step: one SmolLM2-shaped layer, 32 requests of 100-250 tokens, 2 threads, measured
+    0.86 ms compiled against 1.6-1.9 ms for SDPA over the gathered K/V (hand-run micro-benchmark,
+    2026-12-02; see :data:`FUSED_DECODE_ATTENTION` for the whole step).
+    """
+    B, L, hk, dk = k.shape
+    hq = q.shape[1]
+    g = hq // hk
+    qf = q.float()
+    if torch.compiler.is_compiling():
+        # Make inductor write the queries out once. Left to itself it inlines their producer
+        # (RoPE, the bf16 -> float32 cast) into the score loop and recomputes it for every key:
+        # on SmolLM2 that made the compiled step slower than SDPA's. The prim is a no-op copy
+        # in eager and, lowered, realises its input (torch/_inductor/inductor_prims.py).
+        import torch._inductor.inductor_prims as _prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+        qf = torch.ops.prims.inductor_force_stride_order(qf.contiguous(), (hq * dk, dk, 1))
+    qf = qf.view(B, 1, hk, g, dk)
+    s = (qf * k.float().unsqueeze(3)).sum(-1) * scale  # [B, L, hk, g]
+    if mask is not None:
+        s = s + mask.float().view(B, L, 1, 1)
+    p = torch.softmax(s, dim=1)
+    out = (p.unsqueeze(-1) * v.float().unsqueeze(3)).sum(1)  # [B, hk, g, dv]
+    return out.reshape(B, hq, v.shape[-1]).to(q.dtype)
+
+
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ForwardContext,
                      scale: float) -> torch.Tensor:
     """Attention of flat queries over each request's gathered keys/values.
@@ -55,6 +110,8 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Fo
     if T == 0:
         return q.new_zeros(0, hq, v.shape[-1])
     if meta.q_gather is None:
+        if FUSED_DECODE_ATTENTION and torch.compiler.is_compiling() and q.device.type == "cpu":
+            return decode_attention_reduction(q.view(B, hq, dk), k, v, meta.additive_mask(q.dtype), scale)
         qp = q.view(B, 1, hq, dk)
     else:
         qp = torch.cat([q, q.new_zeros(1, hq, dk)]).index_select(0, meta.q_gather).view(B, S, hq, dk)

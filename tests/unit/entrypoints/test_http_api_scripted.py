@@ -292,6 +292,10 @@ def test_chat_stream_sends_its_first_chunk_with_the_first_token(srv, http):
     first = json.loads(got[0][1][len("data: "):])
     assert got[0][0] >= released and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert got[-1][1] == "data: [DONE]"
+    # later deltas carry only what they hold (OpenAI's and vLLM's stream): no "role": null
+    later = [json.loads(line[len("data: "):])["choices"][0] for _, line in got[1:-1]]
+    assert [set(c["delta"]) for c in later] == [{"content"}] * (len(later) - 1) + [set()]
+    assert later[-1]["finish_reason"] == "length" and all(c["delta"]["content"] for c in later[:-1])
 
 
 def test_continuous_usage_stats_every_chunk_carries_usage_so_far(client):
