@@ -81,8 +81,8 @@ def decode_attention_reduction(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         # (RoPE, the bf16 -> float32 cast) into the score loop and recomputes it for every key:
         # on SmolLM2 that made the compiled step slower than SDPA's. The prim is a no-op copy
         # in eager and, lowered, realises its input (torch/_inductor/inductor_prims.py).
-        import torch._inductor.inductor_prims as _prims  # noqa: F401  (registers prims.inductor_force_stride_order)
-        qf = torch.ops.prims.inductor_force_stride_order(qf.contiguous(), (hq * dk, dk, 1))
+        from torch._inductor import inductor_prims  # (registers prims.inductor_force_stride_order)
+        qf = inductor_prims.force_stride_order(qf.contiguous(), (hq * dk, dk, 1))
     qf = qf.view(B, 1, hk, g, dk)
     s = (qf * k.float().unsqueeze(3)).sum(-1) * scale  # [B, L, hk, g]
     if mask is not None:
