@@ -20,11 +20,12 @@ import sys
 import aiohttp
 
 from fleetserve.bench import report, worker_stats, workloads
+from fleetserve.entrypoints.cli_parser import OneLineParser
 from fleetserve.bench.client import auth_headers, run_requests
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fleetserve bench", description="Workload benchmark for OpenAI-compatible servers.",
+    p = OneLineParser(prog="fleetserve bench", description="Workload benchmark for OpenAI-compatible servers.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="router or worker URL")
     p.add_argument("--api", choices=("chat", "completions"), default="chat",

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 
 from fleetserve.bench import timing_model
+from fleetserve.entrypoints.cli_parser import OneLineParser
 from fleetserve.engine.kv_events.config import parse_kv_events_config
 
 
 def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     """The flags; ``exit_on_error=False``: a bad value raises ``argparse.ArgumentError`` instead of exiting."""
-    p = argparse.ArgumentParser(prog="fleetserve sim-worker",
+    p = OneLineParser(prog="fleetserve sim-worker",
                                 description="simulated engine workers speaking the engine's HTTP API",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, exit_on_error=exit_on_error)
     p.add_argument("--host", default="127.0.0.1")

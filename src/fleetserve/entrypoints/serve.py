@@ -27,6 +27,7 @@ import tempfile
 import time
 from typing import Any
 
+from fleetserve.entrypoints.cli_parser import OneLineParser
 from fleetserve.engine.args import ServerArgs
 
 logger = logging.getLogger("fleetserve.serve")
@@ -34,7 +35,7 @@ logger = logging.getLogger("fleetserve.serve")
 
 def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     """``fleetserve serve``'s flags; ``exit_on_error=False``: a bad value raises ``argparse.ArgumentError``."""
-    p = argparse.ArgumentParser(prog="fleetserve serve", description="Run one engine instance (OpenAI-compatible API).",
+    p = OneLineParser(prog="fleetserve serve", description="Run one engine instance (OpenAI-compatible API).",
                                 exit_on_error=exit_on_error)
     ServerArgs.add_cli_args(p)
     g = p.add_argument_group("http server")

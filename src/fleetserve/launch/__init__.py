@@ -64,6 +64,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetserve.entrypoints.cli_parser import OneLineParser
 from fleetserve.launch.kv_ports import check_kv_event_ports, instance_kv_events_args
 from fleetserve.launch.output import child_env, start_copy
 from fleetserve.launch.port_plan import first_busy, first_collision, plan
@@ -112,7 +113,7 @@ class Child:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="fleetserve launch", description="Start a router plus N engine instances; unknown flags go to every "
         "instance.", formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--workers", type=int, default=2, help="number of engine instances")
