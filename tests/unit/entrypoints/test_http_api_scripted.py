@@ -163,6 +163,14 @@ BAD = [
     ("chat max_completion_tokens 0", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("abort without rid", "/abort_request", {}, 400, "rid"),
+    # a wrong type deep in a union names the field itself, not the top-level list
+    ("chat content a number", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     400, "messages.0.content"),
+    ("chat content part text a number", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, 400, "messages.0.content.0.text"),
+    ("chat second message content a dict", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": {}}]}, 400, "messages.1.content"),
+    ("completion stop a number", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]
 

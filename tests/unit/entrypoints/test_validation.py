@@ -4,6 +4,7 @@ import pytest
 
 from fleetserve.entrypoints.errors import APIError
 from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from fleetserve.entrypoints.request_parse import parse_model
 from fleetserve.entrypoints.validation import (
     chat_messages,
     chat_sampling,
@@ -171,3 +172,20 @@ def test_stop_token_id_outside_the_vocabulary_is_named(bad_ids, index, value):
 def test_prompt_id_outside_the_vocabulary_is_named():
     e = refused(generate_prompts, GenerateRequest(input_ids=[1, 2, VOCAB + 3]), lambda t: [1], VOCAB)
     assert e.param == "input_ids" and f"token id {VOCAB + 3} at input_ids[2]" in e.message
+
+
+def test_a_union_error_names_the_union_field_and_what_it_expected():
+    body = {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 5}]}
+    with pytest.raises(APIError) as exc:
+        parse_model(ChatCompletionRequest, body)
+    assert exc.value.param == "messages.1.content"
+    assert str(exc.value) == "invalid value for 'messages.1.content': expected a valid list or a valid string"
+
+
+def test_a_union_branch_that_took_the_value_reports_its_inner_error():
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": 3}]}]}
+    with pytest.raises(APIError) as exc:
+        parse_model(ChatCompletionRequest, body)
+    assert exc.value.param == "messages.0.content.1.text"
+    assert str(exc.value) == "invalid value for 'messages.0.content.1.text': Input should be a valid string"
