@@ -94,39 +94,62 @@ def test_pending_prefix_is_the_longest_prefix_a_queued_request_starts_with():
     assert _pending_prefix(P, 99, [RouteKey("text only")]) == 0  # no token ids: nothing to compare
 
 
-def test_sorted_queue_gives_the_scans_pending_prefix_and_shared_queued():
-    """QueuedKeys (pending.py) answers _pending_prefix from two sorted neighbours, and both functions
-    compare ids texts instead of lists: the same numbers as the plain scan over lists, on random
-    prompts in a few prefix groups (ids past 0x10FFFF and text-only keys included)."""
+def test_one_sorted_scan_gives_every_targets_pending_prefix_and_shared_queued():
+    """SortedPrompts (pending.py) holds every target's queued prompts in one sorted list and answers,
+    for all targets at once, what the plain per-target scans over token lists answer (_pending_prefix,
+    _shared_queued): random prompts in a few prefix groups on 3 targets, keys coming and going (ids
+    past 0x10FFFF and text-only keys included: they stay out of the sorted list); its adjacent
+    shared-prefix figures stay what the sorted texts really share."""
+    import os
     import random
 
-    from fleetserve.router.kv_events.pending import QueuedKeys, one_char_per_id
+    from fleetserve.router.kv_events.pending import QueuedKeys, SortedPrompts, one_char_per_id
     from fleetserve.router.kv_events.policy import _shared_queued
 
     rng = random.Random(7)
-    for _ in range(300):
+    targets = ["a", "b", "c"]
+    for _ in range(1500):
         groups = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
 
         def toks():
             g = rng.choice(groups)
             return g[:rng.randrange(len(g) + 1)] + [rng.choice([0, 1, 70_000, 0x110000 if rng.random() < 0.05 else 2])
                                                     for _ in range(rng.randrange(20))]
-        q, plain = QueuedKeys(), []
-        for _ in range(rng.randrange(8)):
+        sp = SortedPrompts()
+        queues = {t: QueuedKeys() for t in targets}
+        plain = {t: [] for t in targets}
+        for _ in range(rng.randrange(14)):
+            t = rng.choice(targets)
+            if plain[t] and rng.random() < 0.3:  # one leaves again
+                gone = rng.choice(plain[t])
+                plain[t].remove(gone)
+                assert queues[t].remove(gone) and not queues[t].remove(gone)
+                assert sp.remove(gone) == (one_char_per_id(gone) is not None) and not sp.remove(gone)
+                continue
             key = RouteKey("t", toks() if rng.random() > 0.1 else None, 0)
             key.cached = rng.randrange(30)
-            q.append(key)
-            plain.append(key)
-        if plain and rng.random() < 0.5:  # one leaves again
-            gone = rng.choice(plain)
-            plain.remove(gone)
-            assert q.remove(gone) and not q.remove(gone)
+            queues[t].append(key)
+            plain[t].append(key)
+            assert sp.add(key, t) == (one_char_per_id(key) is not None)
+        texts = [t for t, _ in sp.texts]
+        assert texts == sorted(texts) and len(sp.keys) == len(sp.targets) == len(texts)
+        assert sp.lcps == [len(os.path.commonprefix([a, b])) for a, b in zip(texts, texts[1:])]
         me = RouteKey("t", toks() or [3], 0)
-        limit, cached = rng.randrange(len(me.tokens) + 3), rng.randrange(len(me.tokens) + 3)
         text = one_char_per_id(me)
-        assert _pending_prefix(me.tokens, limit, q, text) == _pending_prefix(me.tokens, limit, plain)
-        assert _shared_queued(me.tokens, cached, q, text) == _shared_queued(me.tokens, cached, plain)
-    assert q.odd == sum(1 for k in plain if k.tokens and one_char_per_id(k) is None)
+        if text is None:
+            continue
+        scanned = sp.scan(text)
+        for t in targets:
+            assert queues[t].odd == sum(1 for k in plain[t] if k.tokens and one_char_per_id(k) is None)
+            if queues[t].odd:
+                continue  # the policy scans such a target's own list
+            longest, pairs = scanned.get(t, (0, ()))
+            for limit in range(len(me.tokens) + 2):
+                assert min(limit, len(me.tokens), longest) == _pending_prefix(me.tokens, limit, plain[t])
+            for cached in range(len(me.tokens) + 2):
+                shared = sum(min(a, cached) - lo for a, lo in pairs if lo < cached)
+                assert shared == _shared_queued(me.tokens, cached, plain[t])
+                assert shared == _shared_queued(me.tokens, cached, queues[t], text)  # the text scan agrees
 
 
 def test_a_prompt_stays_with_its_cached_system_prompt_behind_a_queue_of_about_as_many_tokens():

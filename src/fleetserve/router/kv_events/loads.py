@@ -125,6 +125,14 @@ class EngineLoads:
         None: all ranks) less :meth:`prefilled`; None: stale, unknown, or not reported."""
         return self._fresh_less(self.snapshots.get(url), self.waiting.get(url), self._prefilled.get(url), rank, now)
 
+    def figures(self, url: str, rank: int | None, now: float | None = None) -> tuple[int | None, int | None]:
+        """``(tokens(url, rank), queued(url, rank))`` with one snapshot lookup (the policy asks both per target)."""
+        snap = self.snapshots.get(url)
+        if snap is None:
+            return None, None
+        return (self._fresh_less(snap, snap[1], self._ended.get(url), rank, now),
+                self._fresh_less(snap, self.waiting.get(url), self._prefilled.get(url), rank, now))
+
     def _fresh_less(self, snap, per: dict | None, gone_per: dict | None, rank: int | None,
                     now: float | None) -> int | None:
         """``per[rank]`` (``rank`` None: the sum over ranks) less what this router saw since (``gone_per``),

@@ -1,25 +1,29 @@
-"""The requests queued on one kv_aware target (routed there, prefill not ended), with their prompts sorted.
+"""The requests queued on kv_aware's targets (routed there, prefill not ended), with their prompts sorted.
 
-:class:`QueuedKeys` is the list of those :class:`~.policy.RouteKey` objects (insertion
-order, as :func:`~.policy._shared_queued` walks them) plus a sorted list of their ids
-texts (:func:`~..routing_text.ids_text`, one character per id after a marker).  The
-longest prefix a new prompt shares with any of them (:func:`~.policy._pending_prefix`)
-is then found from two neighbours instead of a scan: in a sorted list of strings the one
-sharing the longest prefix with a probe is the probe's predecessor or successor (for
-``a <= b <= c``, ``lcp(a, c) = min(lcp(a, b), lcp(b, c))``).  Cost per query: a binary
-search of the list, two slice comparisons and at most two binary searches of a prompt;
-at c=128 on 4 workers (about 32 queued per target) that replaced a loop of 32 key
-comparisons per target (docs/benchmarks.md, router-overhead-kv).
+:class:`QueuedKeys` is one target's list of those :class:`~.policy.RouteKey` objects, in
+insertion order (as :func:`~.policy._shared_queued` walks them).  :class:`SortedPrompts`
+holds every target's queued prompts as ids texts (:func:`~..routing_text.ids_text`, one
+character per id after a marker) in one sorted list, with the number of leading characters
+each shares with the next.  In a sorted list of strings the prefix a probe shares with the
+entry ``j`` places away is the smallest of those adjacent figures on the way there and of
+the probe's agreement with its own neighbour (for ``a <= b <= c``, ``lcp(a, c) =
+min(lcp(a, b), lcp(b, c))``).  So one query (:meth:`SortedPrompts.scan`) gives, for every
+target at once, the longest prefix the new prompt shares with one of its queued prompts
+(:func:`~.policy._pending_prefix`) and each queued prompt's agreement with it
+(:func:`~.policy._shared_queued`) from two string comparisons and a walk over integers.
+Before, each target cost two comparisons and a scan of its own keys (each comparison a
+binary search of slices, about 2 µs on a 400-id prompt): at 4 workers and 16 requests in
+flight the policy spent ~14 µs a request there (benchmarks/kv_policy_cost.py).
 
 A key whose ids text is not one character per id (an id outside ``[0, 0x10FFFF]``) is
-kept in the list but not in the sorted texts; while the target has any, the policy scans
-(:attr:`QueuedKeys.odd`).  Keys without token ids are neither: no prefix is compared for
-them.
+kept in its target's list but not in the sorted texts; while a target has any, the policy
+scans that target's list (:attr:`QueuedKeys.odd`).  Keys without token ids are neither:
+no prefix is compared for them.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 
 
 def agree_from(a, b, lo: int, hi: int) -> int:
@@ -51,14 +55,13 @@ def one_char_per_id(key) -> str | None:
 
 
 class QueuedKeys:
-    """The queued RouteKeys of one target: iterable in insertion order, plus their sorted ids texts."""
+    """The queued RouteKeys of one target, iterable in insertion order."""
 
-    __slots__ = ("keys", "texts", "odd")
+    __slots__ = ("keys", "odd")
 
     def __init__(self) -> None:
         self.keys: list = []
-        self.texts: list[tuple[str, int]] = []  # (ids text, id(key)), sorted; a key in `keys` keeps its id unique
-        self.odd = 0  # keys with token ids but no one-character-per-id text
+        self.odd = 0  # keys with token ids but no one-character-per-id text (not in SortedPrompts)
 
     def __iter__(self):
         return iter(self.keys)
@@ -68,10 +71,7 @@ class QueuedKeys:
 
     def append(self, key) -> None:
         self.keys.append(key)
-        text = one_char_per_id(key)
-        if text is not None:
-            insort(self.texts, (text, id(key)))
-        elif key.tokens:
+        if key.tokens and one_char_per_id(key) is None:
             self.odd += 1
 
     def remove(self, key) -> bool:
@@ -83,25 +83,128 @@ class QueuedKeys:
                 break
         else:
             return False
-        text = one_char_per_id(key)
-        if text is not None:
-            entry = (text, id(key))
-            j = bisect_left(self.texts, entry)
-            if j < len(self.texts) and self.texts[j] == entry:
-                del self.texts[j]
-        elif key.tokens:
+        if key.tokens and one_char_per_id(key) is None:
             self.odd -= 1
         return True
 
-    def longest_prefix(self, text: str) -> int:
-        """The most leading token ids ``text`` (a one-character-per-id ids text) shares with one queued key."""
+
+class SortedPrompts:
+    """Every target's queued prompts (one-character-per-id ids texts) in one sorted list; see the
+    module docstring.  ``lcps[j]``: the characters ``texts[j]`` and ``texts[j + 1]`` share.
+    Adding a prompt costs two string comparisons, each starting past what its neighbours share;
+    removing one, none (its neighbours share the smaller of their two figures)."""
+
+    __slots__ = ("texts", "keys", "targets", "lcps")
+
+    def __init__(self) -> None:
+        self.texts: list[tuple[str, int]] = []  # (ids text, id(key)), sorted; a queued key keeps its id unique
+        self.keys: list = []  # the keys of `texts`, in the same order
+        self.targets: list = []  # each key's target, in the same order
+        self.lcps: list[int] = []  # len(texts) - 1 adjacent figures
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def add(self, key, target) -> bool:
+        """Add ``key``'s prompt, queued on ``target``; False (nothing added) without a one-character-per-id text."""
+        text = one_char_per_id(key)
+        if text is None:
+            return False
+        texts, lcps = self.texts, self.lcps
+        entry = (text, id(key))
+        j = bisect_left(texts, entry)
+        n = len(texts)
+        if 0 < j < n:  # between two neighbours: it shares with each at least what they share
+            floor = lcps[j - 1]
+            left, right = texts[j - 1][0], texts[j][0]
+            lcps[j - 1] = agree_from(left, text, floor, min(len(left), len(text)))
+            lcps.insert(j, agree_from(text, right, floor, min(len(right), len(text))))
+        elif j == 0 and n:
+            right = texts[0][0]
+            lcps.insert(0, agree_from(text, right, 0, min(len(right), len(text))))
+        elif n:  # last
+            left = texts[n - 1][0]
+            lcps.append(agree_from(left, text, 0, min(len(left), len(text))))
+        texts.insert(j, entry)
+        self.keys.insert(j, key)
+        self.targets.insert(j, target)
+        return True
+
+    def remove(self, key) -> bool:
+        """Take ``key``'s prompt out; False if it was not in."""
+        text = one_char_per_id(key)
+        if text is None:
+            return False
         texts = self.texts
+        j = bisect_left(texts, (text, id(key)))
+        if j == len(texts) or self.keys[j] is not key:
+            return False
+        n = len(texts)
+        del texts[j], self.keys[j], self.targets[j]
+        lcps = self.lcps
+        if 0 < j < n - 1:  # its two neighbours become adjacent
+            if lcps[j] < lcps[j - 1]:
+                lcps[j - 1] = lcps[j]
+            del lcps[j]
+        elif n > 1:
+            del lcps[0 if j == 0 else j - 1]
+        return True
+
+    def scan(self, text: str) -> dict:
+        """For each target with a queued prompt sharing at least one token id with ``text`` (a
+        one-character-per-id ids text): ``(longest, pairs)``, ``longest`` the most leading ids ``text``
+        shares with one of its queued prompts, ``pairs`` the ``(shared ids, k.cached)`` of each of its
+        queued keys ``k`` that shares more than its own ``cached`` (the others cannot overlap its
+        uncached part).  Cost: two bounded string comparisons and a step per prompt that shares an id."""
+        texts, keys, targets, lcps = self.texts, self.keys, self.targets, self.lcps
+        n = len(texts)
+        out: dict = {}
+        if not n:
+            return out
         i = bisect_left(texts, (text,))
-        best = 0
-        for j in (i - 1, i):
-            if 0 <= j < len(texts):
-                other = texts[j][0]
-                n = agree_from(text, other, 1, min(len(text), len(other))) - 1  # both start with the marker
-                if n > best:
-                    best = n
-        return best
+        floor = lcps[i - 1] if 0 < i < n else 1  # both neighbours share this much; every text starts with the marker
+        tl = len(text)
+        if i > 0:  # leftwards from the predecessor
+            other = texts[i - 1][0]
+            hi = min(tl, len(other))
+            a = agree_from(text, other, min(floor, hi), hi) - 1  # in ids: the marker is not one
+            j = i - 1
+            while a > 0:
+                t = targets[j]
+                got = out.get(t)
+                if got is None:
+                    got = out[t] = [a, []]
+                elif a > got[0]:
+                    got[0] = a
+                lo = keys[j].cached
+                if a > lo:
+                    got[1].append((a, lo))
+                if j == 0:
+                    break
+                j -= 1
+                b = lcps[j] - 1
+                if b < a:
+                    a = b
+        if i < n:  # rightwards from the successor
+            other = texts[i][0]
+            hi = min(tl, len(other))
+            a = agree_from(text, other, min(floor, hi), hi) - 1
+            j = i
+            last = n - 1
+            while a > 0:
+                t = targets[j]
+                got = out.get(t)
+                if got is None:
+                    got = out[t] = [a, []]
+                elif a > got[0]:
+                    got[0] = a
+                lo = keys[j].cached
+                if a > lo:
+                    got[1].append((a, lo))
+                if j == last:
+                    break
+                b = lcps[j] - 1
+                j += 1
+                if b < a:
+                    a = b
+        return out

@@ -86,7 +86,7 @@ from ..radix_tree import RadixTree
 from ..route_header import CHARS_PER_TOKEN, HEADER, format_route
 from ..routing_text import ids_text
 from .index import BlockIndex
-from .pending import QueuedKeys, agree_from as _agree_from, one_char_per_id
+from .pending import QueuedKeys, SortedPrompts, agree_from as _agree_from, one_char_per_id
 from .subscriber import DEGRADED, EXACT, FALLBACK
 from .tokenize import RouterTokenizer, request_ids_without_tokenizer
 from .tokenizer_check import TOKENIZER, TokenizerCheck
@@ -95,6 +95,7 @@ log = logging.getLogger("fleetserve.router")
 
 SESSION = "session"  # the branch of a request --sticky-sessions sent (route_header.py)
 _NONE: dict = {}  # no index match (never written)
+_NOTHING_SHARED = (0, ())  # a target none of whose queued prompts shares a token id with the request
 TEXT = "text"  # the fallback reason of a request without token ids
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
@@ -174,7 +175,8 @@ def _shared_queued(tokens: list[int], cached: int, queued_keys, text: str | None
     ``[0, cached)`` as far as the two prompts agree (:func:`_agree_from`).  ``text``: the request's
     ids text with one character per id, if it has one; the prompts are then compared as those
     strings where ``k`` has one too (the same answer, faster).  Cost: O(queued requests x log
-    prompt) slice comparisons.
+    prompt) slice comparisons.  The policy gets the same figure for every target at once from
+    :meth:`~.pending.SortedPrompts.scan` where it can; this scan is the reference and the fallback.
     """
     shared = 0
     n = len(tokens)
@@ -202,11 +204,9 @@ def _pending_prefix(tokens: list[int], limit: int, queued_keys, text: str | None
     whose prefill has not ended) starts with: the target computes it before or beside this request
     (the engines wait a step to share a prefix in prefill), so it counts as cached there although no
     KV event can have announced it yet.  ``text``: as for :func:`_shared_queued`.  Cost: O(queued
-    requests x log prompt) slice comparisons.
+    requests x log prompt) slice comparisons (the policy's fast path: :meth:`~.pending.SortedPrompts.scan`).
     """
     n = min(limit, len(tokens))
-    if text is not None and isinstance(queued_keys, QueuedKeys) and not queued_keys.odd:
-        return min(n, queued_keys.longest_prefix(text))  # two neighbours in sorted order (pending.py)
     best = 0
     for k in queued_keys:
         ktoks = k.tokens
@@ -295,6 +295,7 @@ class KvAwarePolicy:
         self.load_tokens: dict = {}  # (url, rank or None) -> in-flight tokens
         self.queued_tokens: dict = {}  # (url, rank or None) -> uncached prompt tokens whose prefill has not ended
         self.queued_keys: dict = {}  # (url, rank or None) -> the RouteKeys counted in queued_tokens
+        self.sorted_prompts = SortedPrompts()  # the same keys' prompts, all targets in one sorted list
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
         self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
@@ -351,6 +352,8 @@ class KvAwarePolicy:
         tree_unit = 1 if tokens else 1 / CHARS_PER_TOKEN
         tree_off = 1 if tokens else 0
         ids1 = one_char_per_id(key)  # for _pending_prefix / _shared_queued
+        # every target's queued prompts at once (pending.py); a target with an odd key scans its own
+        scanned = self.sorted_prompts.scan(ids1) if ids1 is not None and self.sorted_prompts.texts else None
         subs = self.subs
         if self.dp_aware:  # one target per DP rank
             targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url)]
@@ -374,9 +377,11 @@ class KvAwarePolicy:
         overflow_weight = prefill_weight * self.overflow_weight
         queue_weight = prefill_weight * self.queue_weight
         check = self.tokenizer_check
+        suspects = check.disagreed  # no worker has disagreed yet: none can be mismatched
         chosen_at = self.chosen_at
         queued_keys_of = self.queued_keys
         block_size_of = self._block_size
+        block_sizes = index.block_size  # empty until a first event: every page size is 1 then
         terms = [] if log.isEnabledFor(logging.DEBUG) else None  # each target's cost terms, for the debug log
         idle_on = self.balance_rel_threshold > 0 and len(targets) > 1
         idle_best = None  # (wait, order, w, rank, branch, cached, reason) of the idle target that waits least
@@ -387,7 +392,7 @@ class KvAwarePolicy:
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
             tree_tokens = max(0, per_tenant.get(tenant, 0) - tree_off) * tree_unit
-            reason = TEXT if not tokens else TOKENIZER if check.mismatched(url) else None
+            reason = TEXT if not tokens else TOKENIZER if suspects and check.mismatched(url) else None
             wsubs = subs.get(url) if subs else None
             if reason is not None or not wsubs:  # no usable KV-event stream: the approximate tree
                 cached, branch = tree_tokens, FALLBACK
@@ -406,26 +411,36 @@ class KvAwarePolicy:
             cached = min(int(cached), cap)
             lk = (url, rank)
             pending_keys = queued_keys_of.get(lk) if tokens else None
+            agreed = None  # (longest shared prefix, pairs) from the one sorted scan, when it covers this target
+            if pending_keys and scanned is not None and not pending_keys.odd:
+                agreed = scanned.get(lk, _NOTHING_SHARED)
             if pending_keys and cached < cap:  # a prefix still in prefill there: no event yet, but it will be held
-                pending = _pending_prefix(tokens, cap, pending_keys, ids1)
-                bs = block_size_of(url, rank)
+                if agreed is not None:
+                    pending = min(cap, len(tokens), agreed[0])
+                else:
+                    pending = _pending_prefix(tokens, cap, pending_keys, ids1)
+                bs = block_size_of(url, rank) if block_sizes else 1
                 if bs > 1:
                     pending -= pending % bs  # the engine shares whole pages only
                 if pending > cached:
                     cached = pending
             load = mine = load_tokens.get(lk, 0)
             seen = None
-            if engine_loads is not None:  # the engine's own count, while fresh (loads.py)
-                seen = engine_loads.tokens(url, rank, now)
+            queued = queued_tokens.get(lk, 0) if queue_weight else 0
+            if engine_loads is not None:  # the engine's own figures, while fresh (loads.py)
+                seen, waiting = engine_loads.figures(url, rank, now)
                 if seen is not None and seen > load:
                     load = seen
-            queued = queued_tokens.get(lk, 0) if queue_weight else 0
-            if engine_loads is not None and queue_weight:  # the engine's prefill work ahead, while fresh
-                waiting = engine_loads.queued(url, rank, now)
-                if waiting is not None and waiting > queued:
+                if queue_weight and waiting is not None and waiting > queued:  # its prefill work ahead
                     queued = waiting
             if queued and cached and tokens:  # the part of it this request shares is in its cached_tokens
-                queued = max(0, queued - _shared_queued(tokens, cached, self.queued_keys.get(lk, ()), ids1))
+                if agreed is not None:  # each queued key's overlap of [its cached, this request's cached)
+                    shared = 0
+                    for a, lo in agreed[1]:
+                        shared += (a if a < cached else cached) - lo if lo < cached else 0
+                else:
+                    shared = _shared_queued(tokens, cached, queued_keys_of.get(lk, ()), ids1)
+                queued = max(0, queued - shared)
             uncached = prompt_tokens - cached
             extra = 0.0
             if engine_loads is not None and overflow_weight:  # KV that does not fit waits: see _overflow
@@ -542,6 +557,7 @@ class KvAwarePolicy:
             if keys is None:
                 keys = self.queued_keys[lk] = QueuedKeys()
             keys.append(key)
+            self.sorted_prompts.add(key, lk)
 
     def prefilled(self, key) -> None:
         """The request's prefill ended (a stream's first answer bytes arrived): its uncached prompt tokens
@@ -572,6 +588,7 @@ class KvAwarePolicy:
             keys.remove(key)
             if not keys:
                 del self.queued_keys[lk]
+        self.sorted_prompts.remove(key)
         if self.engine_loads is not None:  # a snapshot that counted it as waiting must not count it still
             self.engine_loads.prefilled(lk[0], lk[1], sent, q)
         return True

@@ -1,0 +1,121 @@
+"""CPU µs per request of the router's policy work alone (no HTTP): cache_aware vs kv_aware.
+
+    PYTHONPATH=src python benchmarks/kv_policy_cost.py BODIES.jsonl [--inflight 16] [--workers 4]
+        [--passes 5] [--profile]
+
+BODIES.jsonl: one JSON request body per line (the router-overhead stick writes ~200 bodies of
+1-2 KB in 10 prefix groups to ``<out>/bodies.jsonl``; ``make_bodies`` in its ``bench.py``).
+Each request goes through what ``router/proxy.py`` does around the upstream exchange: the
+routing text, kv_aware's ``prepare`` (tokenization with the built-in SmolLM2 tokenizer),
+``select``, ``decorate`` (kv_aware: route header), and for kv_aware ``prefilled`` and ``release``
+once ``--inflight`` newer requests have been routed (a closed loop of that many requests in
+flight).  The workers publish no KV events (as the stick's fake workers), so kv_aware runs its
+``fallback`` branch on the approximate tree; each reports its load (``/v1/loads``, refreshed
+every 100 requests) unless ``--loads-interval 0``.  Best of ``--passes`` passes over the bodies (the
+first pass warms the tokenizer's caches), per policy, policies interleaved.  ``--profile``: a
+cProfile of one more kv_aware pass, top 25 by own time.  The printed ``decisions`` digest
+(every chosen worker and predicted cached-token count) tells whether two source trees decide alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import hashlib
+import collections
+import json
+import pstats
+import time
+
+import orjson
+
+from fleetserve.models.tokenizer import tokenizer_dir
+from fleetserve.router.kv_events.loads import EngineLoads
+from fleetserve.router.kv_events.policy import KvAwarePolicy
+from fleetserve.router.kv_events.tokenize import RouterTokenizer
+from fleetserve.router.policies import make_policy
+from fleetserve.router.routing_text import routing_text
+from fleetserve.router.workers import Worker
+
+PATH = "/v1/completions"
+
+
+async def one_pass(policy, bodies: list[bytes], workers: list, inflight: int, trace: list | None = None) -> float:
+    prepare = getattr(policy, "prepare", None)
+    decorate = getattr(policy, "decorate", None)
+    release = getattr(policy, "release", None)
+    prefilled = getattr(policy, "prefilled", None)
+    window: collections.deque = collections.deque()
+    loads = getattr(policy, "engine_loads", None)
+    t0 = time.process_time()
+    for n, raw in enumerate(bodies):
+        if loads is not None and n % 100 == 0:  # a fresh /v1/loads answer from each worker (as the stick's)
+            for w in workers:
+                loads.put(w.url, {0: 0}, waiting={0: 0})
+        body = orjson.loads(raw)
+        key = routing_text(PATH, body)
+        if prepare is not None:
+            key = await prepare(PATH, body, key)
+        w = policy.select(workers, key)
+        w.load += 1
+        if trace is not None:
+            trace.append((w.url, getattr(key, "cached", None)))
+        if decorate is not None:
+            decorate(key, raw, b"")
+        window.append((key, w))
+        if len(window) > inflight:
+            k, ow = window.popleft()
+            ow.load -= 1
+            if prefilled is not None:
+                prefilled(k)
+            if release is not None:
+                release(k)
+    while window:
+        k, ow = window.popleft()
+        ow.load -= 1
+        if release is not None:
+            release(k)
+    return (time.process_time() - t0) / len(bodies) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("bodies")
+    ap.add_argument("--inflight", type=int, default=16)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--loads-interval", type=float, default=1.0,
+                    help="kv_aware reads engine loads as with --kv-loads-interval-secs (0: none)")
+    args = ap.parse_args()
+    bodies = [line.strip().encode() for line in open(args.bodies) if line.strip()]
+    workers = [Worker(f"http://127.0.0.1:{30000 + i}") for i in range(args.workers)]
+    tok = RouterTokenizer(tokenizer_dir())
+    kv = KvAwarePolicy(tokenizer=tok)
+    if args.loads_interval > 0:  # as `fleetserve router` does by default (--kv-loads-interval-secs 1)
+        kv.engine_loads = EngineLoads(args.loads_interval)
+    policies = {"cache_aware": make_policy("cache_aware"), "kv_aware": kv}
+    best = {name: float("inf") for name in policies}
+    traces: dict = {name: [] for name in policies}
+
+    async def run() -> None:
+        for _ in range(args.passes):
+            for name, p in policies.items():
+                best[name] = min(best[name], await one_pass(p, bodies, workers, args.inflight, traces[name]))
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            await one_pass(policies["kv_aware"], bodies * 5, workers, args.inflight)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+    asyncio.run(run())
+    print(json.dumps({"bodies": len(bodies), "inflight": args.inflight, "workers": args.workers,
+                      "us_per_request": {k: round(v, 1) for k, v in best.items()},
+                      # a digest of every decision (worker, predicted cached tokens): equal digests, equal choices
+                      "decisions": {k: hashlib.sha1(repr(v).encode()).hexdigest()[:12] for k, v in traces.items()}}))
+
+
+if __name__ == "__main__":
+    main()
