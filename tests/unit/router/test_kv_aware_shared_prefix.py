@@ -130,6 +130,8 @@ def test_one_sorted_scan_gives_every_targets_pending_prefix_and_shared_queued():
             key.cached = rng.randrange(30)
             queues[t].append(key)
             plain[t].append(key)
+            if one_char_per_id(key) is not None and rng.random() < 0.5:
+                sp.scan(one_char_per_id(key))  # as the policy does: scanned, then recorded (its comparisons reused)
             assert sp.add(key, t) == (one_char_per_id(key) is not None)
         texts = [t for t, _ in sp.texts]
         assert texts == sorted(texts) and len(sp.keys) == len(sp.targets) == len(texts)

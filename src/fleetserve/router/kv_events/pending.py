@@ -94,13 +94,17 @@ class SortedPrompts:
     Adding a prompt costs two string comparisons, each starting past what its neighbours share;
     removing one, none (its neighbours share the smaller of their two figures)."""
 
-    __slots__ = ("texts", "keys", "targets", "lcps")
+    __slots__ = ("texts", "keys", "targets", "lcps", "_version", "_probe")
 
     def __init__(self) -> None:
         self.texts: list[tuple[str, int]] = []  # (ids text, id(key)), sorted; a queued key keeps its id unique
         self.keys: list = []  # the keys of `texts`, in the same order
         self.targets: list = []  # each key's target, in the same order
         self.lcps: list[int] = []  # len(texts) - 1 adjacent figures
+        self._version = 0  # changes with every add / remove
+        # the last scan: (text, version, position, characters shared with texts[i - 1], with texts[i]);
+        # adding that very text right after (the policy scans a request, then records it) reuses them
+        self._probe = None
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -114,7 +118,16 @@ class SortedPrompts:
         entry = (text, id(key))
         j = bisect_left(texts, entry)
         n = len(texts)
-        if 0 < j < n:  # between two neighbours: it shares with each at least what they share
+        probe = self._probe
+        if probe is not None and probe[0] is text and probe[1] == self._version and probe[2] == j:
+            if j == n:  # the scan already compared it with its neighbours: last
+                if n:
+                    lcps.append(probe[3])
+            else:
+                if j:
+                    lcps[j - 1] = probe[3]
+                lcps.insert(j, probe[4])
+        elif 0 < j < n:  # between two neighbours: it shares with each at least what they share
             floor = lcps[j - 1]
             left, right = texts[j - 1][0], texts[j][0]
             lcps[j - 1] = agree_from(left, text, floor, min(len(left), len(text)))
@@ -128,6 +141,7 @@ class SortedPrompts:
         texts.insert(j, entry)
         self.keys.insert(j, key)
         self.targets.insert(j, target)
+        self._version += 1
         return True
 
     def remove(self, key) -> bool:
@@ -141,6 +155,7 @@ class SortedPrompts:
             return False
         n = len(texts)
         del texts[j], self.keys[j], self.targets[j]
+        self._version += 1
         lcps = self.lcps
         if 0 < j < n - 1:  # its two neighbours become adjacent
             if lcps[j] < lcps[j - 1]:
@@ -164,10 +179,12 @@ class SortedPrompts:
         i = bisect_left(texts, (text,))
         floor = lcps[i - 1] if 0 < i < n else 1  # both neighbours share this much; every text starts with the marker
         tl = len(text)
+        left = right = 0
         if i > 0:  # leftwards from the predecessor
             other = texts[i - 1][0]
             hi = min(tl, len(other))
-            a = agree_from(text, other, min(floor, hi), hi) - 1  # in ids: the marker is not one
+            left = agree_from(text, other, min(floor, hi), hi)
+            a = left - 1  # in ids: the marker is not one
             j = i - 1
             while a > 0:
                 t = targets[j]
@@ -188,7 +205,8 @@ class SortedPrompts:
         if i < n:  # rightwards from the successor
             other = texts[i][0]
             hi = min(tl, len(other))
-            a = agree_from(text, other, min(floor, hi), hi) - 1
+            right = agree_from(text, other, min(floor, hi), hi)
+            a = right - 1
             j = i
             last = n - 1
             while a > 0:
@@ -207,4 +225,5 @@ class SortedPrompts:
                 j += 1
                 if b < a:
                     a = b
+        self._probe = (text, self._version, i, left, right)
         return out
