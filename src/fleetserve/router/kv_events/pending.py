@@ -165,13 +165,36 @@ class SortedPrompts:
             del lcps[0 if j == 0 else j - 1]
         return True
 
+    def _walk(self, out: dict, a: int, j: int, step: int) -> None:
+        """From entry ``j``, which shares ``a`` ids with the probe, outwards by ``step`` (-1 or 1) while the
+        shared figure stays above 0, adding each entry to ``out`` (see :meth:`scan`)."""
+        keys, targets, lcps = self.keys, self.targets, self.lcps
+        end = -1 if step < 0 else len(keys)
+        while a > 0:
+            t = targets[j]
+            got = out.get(t)
+            if got is None:
+                got = out[t] = [a, []]
+            elif a > got[0]:
+                got[0] = a
+            lo = keys[j].cached
+            if a > lo:
+                got[1].append((a, lo))
+            nxt = j + step
+            if nxt == end:
+                break
+            b = lcps[j if step > 0 else nxt] - 1  # what entries j and nxt share
+            j = nxt
+            if b < a:
+                a = b
+
     def scan(self, text: str) -> dict:
         """For each target with a queued prompt sharing at least one token id with ``text`` (a
         one-character-per-id ids text): ``(longest, pairs)``, ``longest`` the most leading ids ``text``
         shares with one of its queued prompts, ``pairs`` the ``(shared ids, k.cached)`` of each of its
         queued keys ``k`` that shares more than its own ``cached`` (the others cannot overlap its
         uncached part).  Cost: two bounded string comparisons and a step per prompt that shares an id."""
-        texts, keys, targets, lcps = self.texts, self.keys, self.targets, self.lcps
+        texts, lcps = self.texts, self.lcps
         n = len(texts)
         out: dict = {}
         if not n:
@@ -184,46 +207,11 @@ class SortedPrompts:
             other = texts[i - 1][0]
             hi = min(tl, len(other))
             left = agree_from(text, other, min(floor, hi), hi)
-            a = left - 1  # in ids: the marker is not one
-            j = i - 1
-            while a > 0:
-                t = targets[j]
-                got = out.get(t)
-                if got is None:
-                    got = out[t] = [a, []]
-                elif a > got[0]:
-                    got[0] = a
-                lo = keys[j].cached
-                if a > lo:
-                    got[1].append((a, lo))
-                if j == 0:
-                    break
-                j -= 1
-                b = lcps[j] - 1
-                if b < a:
-                    a = b
+            self._walk(out, left - 1, i - 1, -1)  # in ids: the marker is not one
         if i < n:  # rightwards from the successor
             other = texts[i][0]
             hi = min(tl, len(other))
             right = agree_from(text, other, min(floor, hi), hi)
-            a = right - 1
-            j = i
-            last = n - 1
-            while a > 0:
-                t = targets[j]
-                got = out.get(t)
-                if got is None:
-                    got = out[t] = [a, []]
-                elif a > got[0]:
-                    got[0] = a
-                lo = keys[j].cached
-                if a > lo:
-                    got[1].append((a, lo))
-                if j == last:
-                    break
-                b = lcps[j] - 1
-                j += 1
-                if b < a:
-                    a = b
+            self._walk(out, right - 1, i, 1)
         self._probe = (text, self._version, i, left, right)
         return out
