@@ -67,7 +67,8 @@ def check_input_ids(ids: Sequence[Any], vocab_size: int, param: str) -> list[int
 
 
 def fit_sampling(fields: dict[str, Any], *, prompt_len: int, vocab_size: int, context_length: int | None,
-                 max_tokens_param: str = "max_tokens", default_max_tokens: int | None = None) -> SamplingParams:
+                 max_tokens_param: str = "max_tokens", default_max_tokens: int | None = None,
+                 prompt_param: str = "prompt") -> SamplingParams:
     """Build and range-check :class:`SamplingParams`, fitting ``max_new_tokens`` into the context.
 
     Args:
@@ -80,17 +81,18 @@ def fit_sampling(fields: dict[str, Any], *, prompt_len: int, vocab_size: int, co
             context checks (the offline engine leaves them to its scheduler).
         max_tokens_param: the client's name for ``max_new_tokens``, used in errors.
         default_max_tokens: see ``fields``.
+        prompt_param: the client's name for the prompt, used in errors (``messages`` on chat, as OpenAI).
 
     Raises:
         APIError(400): ``param="n"`` when more than :data:`MAX_N` samples are asked for;
-            ``param="prompt"`` when the prompt alone fills the context;
+            ``param=prompt_param`` when the prompt alone fills the context;
             ``max_tokens_param`` when prompt + output overflows it (both with code
             ``context_length_exceeded``); the field's name when a value is out of range.
     """
     ctx = context_length
     if ctx is not None and prompt_len >= ctx:
-        raise APIError(f"the prompt has {prompt_len} tokens, the model's context is {ctx} tokens", 400, "prompt",
-                       "context_length_exceeded")
+        raise APIError(f"the prompt has {prompt_len} tokens, the model's context is {ctx} tokens", 400,
+                       prompt_param, "context_length_exceeded")
     fields = {k: v for k, v in fields.items() if v is not None or k == "max_new_tokens"}
     if fields.get("max_new_tokens") is None and ctx is not None:
         room = ctx - prompt_len
@@ -254,15 +256,24 @@ def _chat_sampling(req: ChatCompletionRequest, prompt_len: int, vocab_size: int,
     return fit_sampling({**openai_sampling_fields(req),
                          "max_new_tokens": req.max_completion_tokens if newer else req.max_tokens},
                         prompt_len=prompt_len, vocab_size=vocab_size, context_length=context_length,
-                        max_tokens_param="max_completion_tokens" if newer else "max_tokens")
+                        max_tokens_param="max_completion_tokens" if newer else "max_tokens", prompt_param="messages")
 
 
 # ------------------------------------------------------------- request shapes
 
 
+def check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """``stream_options`` only with ``"stream": true``, as OpenAI's API and vLLM answer (a 400 naming
+    ``stream_options``; OpenAI: "only allowed when 'stream' is enabled")."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", 400, "stream_options")
+
+
 def check_completion_request(req: CompletionRequest) -> None:
     """Refuse what ``/v1/completions`` does not implement (``suffix``, ``best_of != n``,
-    ``logit_bias``) and ``logprobs`` outside ``[0, 20]``. Raises :class:`APIError` (400)."""
+    ``logit_bias``), ``logprobs`` outside ``[0, 20]`` and ``stream_options`` without ``stream``.
+    Raises :class:`APIError` (400)."""
+    check_stream_options(req)
     if req.suffix is not None:
         raise _unsupported("suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -297,8 +308,9 @@ def completion_prompts(prompt: Any, encode: Callable[[str], list[int]], vocab_si
 
 
 def check_chat_request(req: ChatCompletionRequest) -> None:
-    """Refuse empty ``messages``, ``logit_bias``, and ``top_logprobs`` outside ``[0, 20]`` or
-    without ``logprobs``. Raises :class:`APIError` (400)."""
+    """Refuse empty ``messages``, ``logit_bias``, ``top_logprobs`` outside ``[0, 20]`` or
+    without ``logprobs``, and ``stream_options`` without ``stream``. Raises :class:`APIError` (400)."""
+    check_stream_options(req)
     if not req.messages:
         raise APIError("messages must not be empty", 400, "messages")
     if req.logit_bias:

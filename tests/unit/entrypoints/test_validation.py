@@ -8,6 +8,8 @@ from fleetserve.entrypoints.request_parse import parse_model
 from fleetserve.entrypoints.validation import (
     chat_messages,
     chat_sampling,
+    check_chat_request,
+    check_completion_request,
     check_input_ids,
     completion_prompts,
     completion_sampling,
@@ -80,6 +82,26 @@ def test_echo_with_max_tokens_zero_generates_nothing_and_native_zero_stays_allow
 def test_prompt_filling_the_context_is_blamed_on_the_prompt():
     e = refused(fit_sampling, {"max_new_tokens": 1}, prompt_len=CTX, **LIMITS)
     assert e.param == "prompt" and e.code == "context_length_exceeded"
+
+
+def test_a_chat_prompt_filling_the_context_is_blamed_on_the_messages():
+    req = parse_model(ChatCompletionRequest, {"messages": USER, "max_tokens": 1})
+    e = refused(chat_sampling, req, prompt_len=CTX, **LIMITS)
+    assert (e.status, e.param, e.code) == (400, "messages", "context_length_exceeded")
+
+
+@pytest.mark.parametrize("model,check,body", [
+    (CompletionRequest, check_completion_request, {"prompt": "hi"}),
+    (ChatCompletionRequest, check_chat_request, {"messages": USER}),
+])
+def test_stream_options_need_stream_true(model, check, body):
+    opts = {"stream_options": {"include_usage": True}}
+    for stream in (None, False):
+        extra = {} if stream is None else {"stream": stream}
+        e = refused(check, parse_model(model, {**body, **opts, **extra}))
+        assert (e.status, e.param) == (400, "stream_options") and "stream" in str(e)
+    check(parse_model(model, {**body, **opts, "stream": True}))  # allowed when streaming
+    check(parse_model(model, {**body, "stream": False, "stream_options": None}))  # null is no option
 
 
 def test_range_errors_name_the_sampling_field():
