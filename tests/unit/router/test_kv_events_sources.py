@@ -4,7 +4,12 @@ import json
 
 import pytest
 
-from fleetserve.router.kv_events.sources import endpoints_from_info, parse_endpoint_flags, rank_endpoint
+from fleetserve.router.kv_events.sources import (
+    connecting_endpoint,
+    endpoints_from_info,
+    parse_endpoint_flags,
+    rank_endpoint,
+)
 
 
 def test_wildcard_host_is_the_workers_and_ranks_offset_the_port():
@@ -29,6 +34,17 @@ def test_sglang_style_server_info():
                                   {"kv_events_config": json.dumps({"publisher": "null", "endpoint": "tcp://*:1"})}])
 def test_no_usable_config_is_none(info):
     assert endpoints_from_info(info, "http://h:1") is None
+
+
+def test_a_named_publisher_host_connects_and_a_wildcard_binds():
+    """vLLM's and SGLang's rule (docs/kv_events.md): only a named tcp host makes the PUB socket connect."""
+    named = {"kv_events_config": json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:25557"})}
+    assert connecting_endpoint(named) == "tcp://127.0.0.1:25557"
+    assert connecting_endpoint({"kv_events_config": {"endpoint": "tcp://collector.local:6000"}}) == \
+        "tcp://collector.local:6000"
+    for ep in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "ipc:///tmp/kv", "inproc://kv"):
+        assert connecting_endpoint({"kv_events_config": {"endpoint": ep}}) is None, ep
+    assert connecting_endpoint({}) is None and connecting_endpoint({"kv_events_config": "{bad"}) is None
 
 
 def test_flag_parsing():
@@ -58,9 +74,13 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
         async def keyed_info(_request):
             return web.json_response({"error": {"message": "missing API key"}}, status=401)
 
+        async def named_info(_request):  # its publisher connects: the router connecting too gets nothing
+            return web.json_response({"dp_size": 1, "kv_events_config": {"endpoint": "tcp://127.0.0.1:1"}})
+
         app = web.Application()
         app.router.add_get("/get_server_info", info)
         app.router.add_get("/keyed/get_server_info", keyed_info)
+        app.router.add_get("/named/get_server_info", named_info)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -69,7 +89,7 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
 
         class Registry:
             def urls(self):
-                return [url, url + "/keyed"]
+                return [url, url + "/keyed", url + "/named"]
 
         class Router:
             registry = Registry()
@@ -98,4 +118,8 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
                      "does; start it with --kv-events-config",
                      f"kv-events: {url}/keyed/get_server_info answered 401, so its KV-event publisher is unknown: "
                      "routed on the approximate tree (branch=fallback); name it with --kv-events-endpoint "
-                     f"{url}/keyed=tcp://HOST:PORT"]
+                     f"{url}/keyed=tcp://HOST:PORT",
+                     f"kv-events: {url}/named publishes on tcp://127.0.0.1:1, a named host, so its PUB socket "
+                     "connects to a collector there instead of binding (as vLLM and SGLang do); this router connects "
+                     "too and receives nothing unless something binds that address: start the worker with tcp://*:1 "
+                     "to publish to routers directly"]

@@ -94,7 +94,8 @@ def validate(cfg) -> None:
         if tok.lower().endswith(".gguf"):  # the engine reads one; the router (no transformers) cannot
             raise ValueError(f"--tokenizer-path {cfg.tokenizer_path}: a .gguf file; give a directory with the "
                              "model's tokenizer.json (fleetserve launch --policy kv_aware passes the built-in "
-                             "model's itself)")
+                             "model's itself; python -c 'from fleetserve.models.tokenizer import tokenizer_dir; "
+                             "print(tokenizer_dir(\"MODEL.gguf\"))' converts a GGUF's once and prints where)")
 
 
 def make_kv_aware(cfg):

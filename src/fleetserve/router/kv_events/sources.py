@@ -85,6 +85,24 @@ def endpoints_from_info(info: dict, worker_url: str) -> list[tuple[int, str, str
              rank_endpoint(replay, worker_url, r) if replay else None, topic) for r in range(dp)]
 
 
+def connecting_endpoint(info: dict) -> str | None:
+    """The worker's ``tcp://`` publisher endpoint from ``/get_server_info`` when it names a host (not a
+    wildcard): such a PUB socket connects to a collector instead of binding (vLLM's and SGLang's rule,
+    docs/kv_events.md), so a router that subscribes there, connecting too, receives nothing unless
+    something else binds the address.  None for a wildcard host, ``ipc://`` / ``inproc://`` or no config."""
+    cfg = info.get("kv_events_config")
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except ValueError:
+            return None
+    ep = cfg.get("endpoint") if isinstance(cfg, dict) else None
+    if not isinstance(ep, str) or not ep.startswith("tcp://"):
+        return None
+    host = ep[len("tcp://"):].rpartition(":")[0]
+    return None if host in _WILDCARDS else ep
+
+
 class KvEventSources:
     """The subscriptions of a :class:`~.policy.KvAwarePolicy`, in step with the worker registry."""
 
@@ -95,6 +113,7 @@ class KvEventSources:
         self._asked: dict[str, float] = {}  # url -> when its info was last asked for (no config found)
         self._told: set[str] = set()  # urls already logged as naming no publisher (once per registration)
         self._why: dict[str, str] = {}  # url -> why its last /get_server_info gave nothing (e.g. "answered 401")
+        self._connects: dict[str, str] = {}  # url -> its publisher endpoint, when that connects (connecting_endpoint)
 
     async def run(self, router) -> None:
         """Sync every :data:`SYNC_INTERVAL_S` until cancelled; then end every subscription."""
@@ -143,6 +162,13 @@ class KvEventSources:
             policy.subs[url] = subs
             log.info("kv-events: %s subscribed: %s", url,
                      ", ".join(f"rank {r} {ep}" + (f" (replay {rp})" if rp else "") for r, ep, rp, _ in eps))
+            connects = self._connects.pop(url, None)
+            if connects is not None:  # subscribed, but both ends connect: say so once, at subscription
+                port = connects.rpartition(":")[2]
+                log.warning("kv-events: %s publishes on %s, a named host, so its PUB socket connects to a "
+                            "collector there instead of binding (as vLLM and SGLang do); this router connects too "
+                            "and receives nothing unless something binds that address: start the worker with "
+                            "tcp://*:%s to publish to routers directly", url, connects, port)
 
     async def discover(self, router, url: str):
         """The worker's streams: from the flag, else from its ``/get_server_info`` (None when it has none)."""
@@ -163,6 +189,9 @@ class KvEventSources:
         if not isinstance(info, dict):
             info = {}
         ep = self.flag_endpoints.get(url)
+        self._connects.pop(url, None)
+        if ep is None and connecting_endpoint(info) is not None:
+            self._connects[url] = connecting_endpoint(info)
         if ep is not None:
             dp = info.get("dp_size", info.get("data_parallel_size", 1))
             dp = dp if type(dp) is int and dp >= 1 else 1
