@@ -352,3 +352,13 @@ async def test_upstream_drops_chunked_trailers():
     resp.release()
     pool.close()
     srv.close()
+
+
+def test_a_late_request_is_answered_at_most_a_second_past_the_timeout():
+    """The slow-client pass runs every second at the default 75 s (docs/router.md: 408 by 76 s;
+    a quarter of the timeout before, so up to 94 s), and a quarter of a short timeout."""
+    from fleetserve.router.http.server import idle_check_interval
+
+    assert idle_check_interval(75.0) == 1.0
+    assert idle_check_interval(0.4) == 0.1 and idle_check_interval(0.01) == 0.05
+

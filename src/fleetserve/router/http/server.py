@@ -419,12 +419,18 @@ class Routes:
         self.prefixes.setdefault(prefix, {})[method] = handler
 
 
+def idle_check_interval(idle_timeout_s: float) -> float:
+    """Seconds between two passes of :func:`_close_idle`: a quarter of the timeout, at most 1 s (so a late
+    client's 408 comes at most a second past the timeout) and at least 50 ms."""
+    return min(1.0, max(0.05, idle_timeout_s / 4))
+
+
 async def _close_idle(live: set[HttpProtocol], idle_timeout_s: float) -> None:
     """Close client connections that sat idle (no request in progress) for ``idle_timeout_s``, and
     those still sending one request after ``idle_timeout_s`` (a slow or stalled client, slowloris)."""
     loop = asyncio.get_running_loop()
     while True:
-        await asyncio.sleep(max(0.05, idle_timeout_s / 4))
+        await asyncio.sleep(idle_check_interval(idle_timeout_s))
         now = loop.time()
         for proto in list(live):
             since = proto.idle_since
