@@ -8,8 +8,8 @@
   :data:`ADD_WORKER_ANSWER_WITHIN_S`, else 202 pending and the wait goes on in
   the background).  ``POST /remove_worker?url=`` (also ends a pending wait),
   ``GET /list_workers`` (pending urls listed apart, under ``pending``).
-* ``GET /v1/models``, ``/get_model_info``, ``/get_server_info``: answered by
-  one available worker, taken in turn; a worker that fails or answers 5xx is
+* ``GET /v1/models``, ``/v1/models/{model_id}``, ``/get_model_info``, ``/get_server_info``:
+  answered by one available worker, taken in turn; a worker that fails or answers 5xx is
   skipped for the next one.
 * ``POST /flush_cache``: sent to every registered worker at once; 200 when all
   of them answered below 300, else 500, with each worker's status in the body.
@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetserve.router")
 
 INFO_PATHS = ("/v1/models", "/get_model_info", "/get_server_info")
+# GET /v1/models/{model_id} (OpenAI's "retrieve model"; the engine's /v1/models/{name}): answered like
+# /v1/models, by one available worker, the path passed on as it came (ids with "/" included); an unknown
+# id gets the worker's own 404 (model_not_found) unchanged
+MODEL_PREFIX = "/v1/models/"
 _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _JSON = "application/json"
 
