@@ -1,5 +1,6 @@
 """The router's endpoints other than inference, as handlers over a :class:`~.app.Router`.
 
+* ``GET /version``: ``{"version": ...}``, fleetserve's version (vLLM's route, as the engine's).
 * ``GET /health``: the router is up.  ``GET /readiness``: some worker can take
   a request (503 when none can).  ``GET /metrics``: Prometheus text.
 * ``POST /add_worker?url=[&api_key=]``: ``api_key`` (sglang-router's) is the worker's
@@ -20,6 +21,7 @@ These go through the router's aiohttp session, not the proxy's connection pool.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 from typing import TYPE_CHECKING
 
@@ -48,7 +50,22 @@ _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OS
 _JSON = "application/json"
 
 
+# the installed fleetserve's version, read as the engine reads it (entrypoints/version.py, which the
+# router may not import): the package metadata, "unknown" from a source tree never installed
+try:
+    PACKAGE_VERSION: str = importlib.metadata.version("fleetserve")
+except importlib.metadata.PackageNotFoundError:
+    PACKAGE_VERSION = "unknown"
+_VERSION_BODY = orjson.dumps({"version": PACKAGE_VERSION})
+
+
 # ---------------------------------------------------------------- the router itself
+async def handle_version(router: Router, request: Request) -> Response:
+    """vLLM's ``GET /version``, as the engine answers it: ``{"version": "<fleetserve's version>"}``;
+    open with ``--api-key``, as on the engine."""
+    return Response(200, _VERSION_BODY)
+
+
 async def handle_health(router: Router, request: Request) -> Response:
     return Response(200, b'{"status":"ok"}')
 

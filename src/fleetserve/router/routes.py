@@ -34,6 +34,7 @@ def make_routes(router: Router) -> Routes:
         add("GET", path, admin.handle_info)
     add("POST", "/flush_cache", admin.handle_flush_cache)
     add("GET", "/health", admin.handle_health)
+    add("GET", "/version", admin.handle_version)
     add("GET", "/liveness", probes.handle_liveness)
     add("GET", "/readiness", admin.handle_readiness)
     add("GET", "/health_generate", probes.handle_health_generate)

@@ -86,3 +86,14 @@ async def test_retrieve_model_without_a_worker_is_503(InProcessRouter):
         assert st == 503 and orjson.loads(body) == {"error": {
             "message": "no healthy worker available", "type": "service_unavailable", "param": None,
             "code": "no_healthy_worker"}}
+
+
+@pytest.mark.timeout(30)
+async def test_version_is_answered_by_the_router_as_the_engine_does(InProcessRouter):
+    expected = orjson.dumps({"version": importlib.metadata.version("fleetserve")})
+    for cfg in ({}, {"api_key": KEY}):  # open with --api-key, as the engine's /version
+        async with InProcessRouter(worker_urls=[], **cfg) as r, aiohttp.ClientSession() as s:
+            st, body, h = await get(s, r.url + "/version")
+            assert (st, body, h["Content-Type"]) == (200, expected, "application/json")
+            async with s.post(r.url + "/version") as resp:
+                assert resp.status == 405 and resp.headers["Allow"] == "GET"
