@@ -1,5 +1,6 @@
 """The router's endpoints other than inference, as handlers over a :class:`~.app.Router`.
 
+* ``GET /version``: ``{"version": ...}``, fleetserve's version (vLLM's route, as the engine's).
 * ``GET /health``: the router is up.  ``GET /readiness``: some worker can take
   a request (503 when none can).  ``GET /metrics``: Prometheus text.
 * ``POST /add_worker?url=[&api_key=]``: ``api_key`` (sglang-router's) is the worker's
@@ -8,8 +9,8 @@
   :data:`ADD_WORKER_ANSWER_WITHIN_S`, else 202 pending and the wait goes on in
   the background).  ``POST /remove_worker?url=`` (also ends a pending wait),
   ``GET /list_workers`` (pending urls listed apart, under ``pending``).
-* ``GET /v1/models``, ``/get_model_info``, ``/get_server_info``: answered by
-  one available worker, taken in turn; a worker that fails or answers 5xx is
+* ``GET /v1/models``, ``/v1/models/{model_id}``, ``/get_model_info``, ``/get_server_info``:
+  answered by one available worker, taken in turn; a worker that fails or answers 5xx is
   skipped for the next one.
 * ``POST /flush_cache``: sent to every registered worker at once; 200 when all
   of them answered below 300, else 500, with each worker's status in the body.
@@ -20,6 +21,7 @@ These go through the router's aiohttp session, not the proxy's connection pool.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 from typing import TYPE_CHECKING
 
@@ -40,11 +42,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetserve.router")
 
 INFO_PATHS = ("/v1/models", "/get_model_info", "/get_server_info")
+# GET /v1/models/{model_id} (OpenAI's "retrieve model"; the engine's /v1/models/{name}): answered like
+# /v1/models, by one available worker, the path passed on as it came (ids with "/" included); an unknown
+# id gets the worker's own 404 (model_not_found) unchanged
+MODEL_PREFIX = "/v1/models/"
 _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _JSON = "application/json"
 
 
+# the installed fleetserve's version, read as the engine reads it (entrypoints/version.py, which the
+# router may not import): the package metadata, "unknown" from a source tree never installed
+try:
+    PACKAGE_VERSION: str = importlib.metadata.version("fleetserve")
+except importlib.metadata.PackageNotFoundError:
+    PACKAGE_VERSION = "unknown"
+_VERSION_BODY = orjson.dumps({"version": PACKAGE_VERSION})
+
+
 # ---------------------------------------------------------------- the router itself
+async def handle_version(router: Router, request: Request) -> Response:
+    """vLLM's ``GET /version``, as the engine answers it: ``{"version": "<fleetserve's version>"}``;
+    open with ``--api-key``, as on the engine."""
+    return Response(200, _VERSION_BODY)
+
+
 async def handle_health(router: Router, request: Request) -> Response:
     return Response(200, b'{"status":"ok"}')
 

@@ -9,8 +9,10 @@ has an empty body).
 
 Open with a key: ``/health``, ``/liveness``, ``/readiness``,
 ``/health_generate``, ``/metrics`` (and the ``--prometheus-port`` listener),
+``/version`` (open on the engine too),
 and the info routes ``/v1/models``, ``/get_model_info``,
-``/get_server_info``, which sglang-router 0.3.2 leaves open too.
+``/get_server_info``, which sglang-router 0.3.2 leaves open too, and
+``/v1/models/{model_id}``, open as ``/v1/models`` is.
 
 The key is also the workers' key, as sglang-router's ``--api-key`` ("the api
 key used for the authorization with the worker"): it builds each startup
@@ -46,8 +48,10 @@ from .http.server import Request, Response, json_error
 CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key")
 
 # paths that need no key even with --api-key
-OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/health_generate", "/metrics",
+OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/health_generate", "/metrics", "/version",
                         "/v1/models", "/get_model_info", "/get_server_info"})
+# path prefixes that need no key either: /v1/models/{model_id}, open as /v1/models is
+OPEN_PREFIXES = ("/v1/models/",)
 
 
 def worker_headers(api_key: str | None) -> dict[str, str]:

@@ -228,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--worker-startup-check-interval", type=float, default=d.worker_startup_check_interval,
                    help="seconds between start-up health probes")
     g = p.add_argument_group("routing policy")
-    g.add_argument("--policy", choices=POLICIES, default=d.policy)
+    g.add_argument("--policy", choices=POLICIES, default=d.policy,
+                   help="how a worker is chosen; cache_aware, round_robin, random, power_of_two as sglang-router's "
+                        "(same default), kv_aware is ours (docs/router.md)")
     g.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
                    help="cache_aware: route to the matching worker if matched/len(text) exceeds this")
     g.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
@@ -254,9 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-grace-period-secs", type=float, default=d.shutdown_grace_period_secs,
                    help="on SIGTERM/SIGINT, stop accepting and wait this long for requests in flight")
     g = p.add_argument_group("health checks")
-    g.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_secs)
-    g.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs)
-    g.add_argument("--health-check-endpoint", default=d.health_check_endpoint)
+    g.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_secs,
+                   help="seconds between two rounds of periodic health checks (as sglang-router's, same default)")
+    g.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs,
+                   help="a health check not answered 2xx within this many seconds fails (as sglang-router's, "
+                        "same default)")
+    g.add_argument("--health-check-endpoint", default=d.health_check_endpoint,
+                   help="path each health check GETs on a worker (as sglang-router's, same default)")
     g.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold,
                    help="consecutive failed checks before a worker is marked unhealthy")
     g.add_argument("--health-success-threshold", type=int, default=d.health_success_threshold,
@@ -266,11 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("retries")
     g.add_argument("--retry-max-retries", type=int, default=d.retry_max_retries,
                    help="attempts per request, the first one included")
-    g.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_ms)
-    g.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_ms)
-    g.add_argument("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier)
-    g.add_argument("--retry-jitter-factor", type=float, default=d.retry_jitter_factor)
-    g.add_argument("--disable-retries", action="store_true")
+    g.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_ms,
+                   help="wait before the first retry, ms (as sglang-router's, same default)")
+    g.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_ms,
+                   help="longest wait before a retry, ms (as sglang-router's, same default)")
+    g.add_argument("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier,
+                   help="each retry's wait is the previous one's times this (as sglang-router's, same default)")
+    g.add_argument("--retry-jitter-factor", type=float, default=d.retry_jitter_factor,
+                   help="each wait is scaled by a random 1 +- this (as sglang-router's, same default)")
+    g.add_argument("--disable-retries", action="store_true",
+                   help="one attempt per request, no retry on another worker (as sglang-router's)")
     g.add_argument("--max-migrations", "--migration-limit", dest="max_migrations", type=int,
                    default=d.max_migrations,
                    help="times a stream whose worker fails after it started is continued on another worker "
@@ -284,7 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time an open circuit waits before letting a trial request through")
     g.add_argument("--cb-window-duration-secs", type=float, default=d.cb_window_duration_secs,
                    help="failures older than this no longer count")
-    g.add_argument("--disable-circuit-breaker", action="store_true")
+    g.add_argument("--disable-circuit-breaker", action="store_true",
+                   help="never open a worker's circuit: failures only count for the health checks "
+                        "(as sglang-router's)")
     g = p.add_argument_group("session affinity (flag names as smg's)")
     g.add_argument("--sticky-sessions", "--routing-key-override", dest="sticky_sessions", action="store_true",
                    help="requests with a session key go to the worker their session used last, while it is "
@@ -302,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address of the --prometheus-port listener (independent of --host)")
     g.add_argument("--prometheus-port", type=int, default=None,
                    help="extra listener for /metrics (it is always on the main port too)")
-    g.add_argument("--log-level", choices=("debug", "info", "warn", "warning", "error"), default=d.log_level)
+    g.add_argument("--log-level", choices=("debug", "info", "warn", "warning", "error"), default=d.log_level,
+                   help="the router's log level (as sglang-router's, same default)")
     g = p.add_argument_group("rate limiting (smg / sglang-router semantics)")
     g.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
                    help="token bucket capacity for the inference routes; -1 = no admission control")

@@ -51,15 +51,25 @@ _NOT_FORWARDED = frozenset({"connection", "keep-alive", "transfer-encoding", "co
 
 
 
+# vLLM's header naming the DP rank to serve a request (SGLang reads it too, in any case); the engine
+# checks it (400 for a rank out of range).  Passed on with the inference routes, as the credentials are.
+DP_RANK_HEADER = "x-data-parallel-rank"
+# the client's request headers an inference request passes on to the worker (the rest stay here)
+_PASSED_ON = (*CREDENTIAL_HEADERS, DP_RANK_HEADER)
+
+
 def credential_headers(request: Request) -> dict[str, str]:
     """The client's credential headers, to send to the worker (name -> value, names as received, lower case)."""
     h = request.headers
     return {k: h[k] for k in CREDENTIAL_HEADERS if k in h}
 
 
-def _credential_lines(request: Request) -> bytes:
-    return b"".join(k.encode("latin-1") + b": " + v.encode("latin-1") + b"\r\n"
-                    for k, v in credential_headers(request).items())
+def _passed_on_lines(request: Request) -> bytes:
+    """The request-header lines an inference request carries to the worker: the client's credentials
+    and its ``X-data-parallel-rank``, as ``name: value\\r\\n`` (names lower case).  Under
+    ``kv_aware --dp-aware`` the client's rank wins over the router's (``KvAwarePolicy.decorate``)."""
+    h = request.headers
+    return b"".join(k.encode("latin-1") + b": " + h[k].encode("latin-1") + b"\r\n" for k in _PASSED_ON if k in h)
 
 
 def forwarded_response_headers(pairs) -> list[tuple[str, str]]:
@@ -146,7 +156,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
     cfg = router.cfg
     stats = router.stats
     policy = router.policy
-    headers = _credential_lines(request)
+    headers = _passed_on_lines(request)
     mig = migration.start(router, path, parsed, text, headers, session) if stream and parsed is not None else None
     tried: list[Worker] = []
     failure: Response | None = None

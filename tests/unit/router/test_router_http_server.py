@@ -362,3 +362,30 @@ def test_a_late_request_is_answered_at_most_a_second_past_the_timeout():
     assert idle_check_interval(75.0) == 1.0
     assert idle_check_interval(0.4) == 0.1 and idle_check_interval(0.01) == 0.05
 
+
+@pytest.mark.timeout(20)
+async def test_405_names_the_allowed_methods_in_allow():
+    """RFC 9110 15.5.6: a 405 carries ``Allow`` with the methods the path takes (exact and prefix routes)."""
+    routes = Routes()
+    routes.add("POST", "/echo", echo)
+    routes.add("GET", "/both", echo)
+    routes.add("POST", "/both", echo)
+    routes.add_prefix("GET", "/items/", echo)
+    routes.add_prefix("DELETE", "/items/", echo)
+    srv = await start_server(routes, "127.0.0.1", 0, 100)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        one = await exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = one.partition(b"\r\n\r\n")
+        assert head.split(b"\r\n")[0] == b"HTTP/1.1 405 Method Not Allowed"
+        assert b"\r\nAllow: POST\r\n" in head + b"\r\n"
+        assert body == (b'{"error":{"message":"GET is not allowed on /echo","type":"invalid_request_error",'
+                        b'"param":null,"code":null}}')
+        two = await exchange(port, b"DELETE /both HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert two.startswith(b"HTTP/1.1 405 ") and b"\r\nAllow: GET, POST\r\n" in two
+        pre = await exchange(port, b"PUT /items/a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert pre.startswith(b"HTTP/1.1 405 ") and b"\r\nAllow: DELETE, GET\r\n" in pre
+        ok = await exchange(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        assert ok.startswith(b"HTTP/1.1 200 ") and b"Allow:" not in ok
+    finally:
+        srv.close()

@@ -349,8 +349,10 @@ class HttpProtocol(asyncio.Protocol):
         if by_method is None:
             return json_error(404, f"no route for {req.path}", "not_found_error")
         handler = by_method.get(req.method)
-        if handler is None:
-            return json_error(405, f"{req.method} is not allowed on {req.path}")
+        if handler is None:  # RFC 9110 15.5.6: a 405 names the methods the path takes, in Allow
+            resp = json_error(405, f"{req.method} is not allowed on {req.path}")
+            resp.headers = [("Allow", ", ".join(sorted(by_method)))]
+            return resp
         try:
             return await handler(req)
         except (asyncio.CancelledError, ConnectionResetError):

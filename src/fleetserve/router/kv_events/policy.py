@@ -136,6 +136,15 @@ class RouteKey:
         return format_route(self.target[0], self.rank, self.branch, self.cached, self.prompt_tokens, self.reason)
 
 
+# the client's own X-data-parallel-rank line, as proxy.py passes it on (name lower case, at a line start)
+_CLIENT_RANK_LINE = b"x-data-parallel-rank:"
+
+
+def names_client_rank(headers: bytes) -> bool:
+    """Whether the request-header lines ``headers`` carry the client's own ``X-data-parallel-rank``."""
+    return headers.startswith(_CLIENT_RANK_LINE) or b"\r\n" + _CLIENT_RANK_LINE in headers
+
+
 def with_dp_rank(body: bytes, rank: int) -> bytes:
     """The JSON object ``body`` with ``"routed_dp_rank": rank`` added first (a client's own value, later, wins)."""
     i = body.index(b"{") + 1
@@ -523,12 +532,17 @@ class KvAwarePolicy:
         With ``--dp-aware`` the chosen rank goes in the body (``routed_dp_rank``, SGLang) and in
         the ``X-data-parallel-rank`` header (vLLM); ``x-fleetserve-route`` is added to the
         answer unless ``--no-route-header``.
+
+        A rank the client named itself wins, as its own ``routed_dp_rank`` later in the body
+        does: when ``headers`` already carry the client's ``X-data-parallel-rank`` (passed on by
+        proxy.py), the router adds no header of its own, so the worker gets one header, the client's.
         """
         if not isinstance(key, RouteKey) or key.target is None:
             return body, headers, ()
         if key.rank is not None:
             body = with_dp_rank(body, key.rank)
-            headers = headers + b"X-data-parallel-rank: %d\r\n" % key.rank
+            if not names_client_rank(headers):
+                headers = headers + b"X-data-parallel-rank: %d\r\n" % key.rank
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route: %s", key.route_header())
         return body, headers, (((HEADER, key.route_header()),) if self.route_header else ())
