@@ -13,7 +13,6 @@ from aiohttp import web
 
 from fleetserve.router.kv_events.policy import KvAwarePolicy, RouteKey
 names_client_rank = lambda h: False
-from fleetserve.router.config import RouterConfig
 
 DP_SIZE = 2
 
@@ -92,7 +91,7 @@ async def test_dp_aware_client_header_wins_and_is_the_only_one_sent(dp_worker, I
 
 
 def test_decorate_adds_the_routers_rank_header_only_when_the_client_sent_none():
-    pol = KvAwarePolicy(RouterConfig(policy="kv_aware", dp_aware=True))
+    pol = KvAwarePolicy(dp_aware=True)
     key = RouteKey("", [1, 2, 3])
     key.target, key.rank = ("http://w", 1), 1
     body, headers, _ = pol.decorate(key, b'{"input_ids":[1,2,3]}', b"authorization: Bearer k\r\n")
@@ -102,3 +101,8 @@ def test_decorate_adds_the_routers_rank_header_only_when_the_client_sent_none():
         body, headers, _ = pol.decorate(key, b'{"input_ids":[1,2,3]}', client)
         assert body == b'{"routed_dp_rank":1,"input_ids":[1,2,3]}' and headers == client
     assert not names_client_rank(b"authorization: Bearer x-data-parallel-rank: 3\r\n")
+    # a rank named in the body wins too: the engine reads a header first, so the router sends none
+    for field in (b"routed_dp_rank", b"data_parallel_rank"):
+        mine = b'{"input_ids":[1,2,3],"' + field + b'":0}'
+        body, headers, _ = pol.decorate(key, mine, b"authorization: Bearer k\r\n")
+        assert body == b'{"routed_dp_rank":1,' + mine[1:] and headers == b"authorization: Bearer k\r\n"

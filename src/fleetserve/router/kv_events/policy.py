@@ -533,15 +533,19 @@ class KvAwarePolicy:
         the ``X-data-parallel-rank`` header (vLLM); ``x-fleetserve-route`` is added to the
         answer unless ``--no-route-header``.
 
-        A rank the client named itself wins, as its own ``routed_dp_rank`` later in the body
-        does: when ``headers`` already carry the client's ``X-data-parallel-rank`` (passed on by
-        proxy.py), the router adds no header of its own, so the worker gets one header, the client's.
+        A rank the client named itself wins: its own ``routed_dp_rank`` (or ``data_parallel_rank``)
+        comes later in the body than the router's and so wins there, and since the engine reads the
+        header before the body (SGLang's order), the router adds no header when the client named a
+        rank in the body or sent its own ``X-data-parallel-rank`` (passed on by proxy.py); the worker
+        then gets at most one header, the client's.  (A prompt that merely contains the text
+        ``"routed_dp_rank"`` also drops the router's header: its rank still goes first in the body.)
         """
         if not isinstance(key, RouteKey) or key.target is None:
             return body, headers, ()
         if key.rank is not None:
+            named = b'"routed_dp_rank"' in body or b'"data_parallel_rank"' in body
             body = with_dp_rank(body, key.rank)
-            if not names_client_rank(headers):
+            if not named and not names_client_rank(headers):
                 headers = headers + b"X-data-parallel-rank: %d\r\n" % key.rank
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route: %s", key.route_header())
