@@ -28,23 +28,23 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--kv-prefill-weight", type=float, default=d.kv_prefill_weight,
                    help="kv_aware: cost per uncached prompt token on a target")
     g.add_argument("--kv-load-weight", type=float, default=d.kv_load_weight,
-                   help="kv_aware: cost per in-flight (prompt + decode) token on a target (default 0.1; docs/router.md)")
+                   help="kv_aware: cost per in-flight (prompt + decode) token on a target (docs/router.md)")
     g.add_argument("--kv-overflow-weight", type=float, default=d.kv_overflow_weight,
                    help="kv_aware: cost per token of a request's KV that does not fit in a target's KV pool "
-                        "(from /v1/loads), times --kv-prefill-weight (default 0: off; docs/router.md)")
+                        "(from /v1/loads), times --kv-prefill-weight (0: off; docs/router.md)")
     g.add_argument("--kv-queue-weight", type=float, default=d.kv_queue_weight,
                    help="kv_aware: cost per uncached prompt token still waiting for prefill on a target (this "
                         "router's requests before their first answer bytes; the engine's /v1/loads "
-                        "num_waiting_uncached_tokens), times --kv-prefill-weight (default 0.5; 0: off; docs/router.md)")
+                        "num_waiting_uncached_tokens), times --kv-prefill-weight (0: off; docs/router.md)")
     g.add_argument("--kv-balance-abs-threshold", type=float, default=d.kv_balance_abs_threshold,
                    help="kv_aware: the idle rule moves a request off its lowest-cost target to an idle one only "
-                        "when its estimated wait there is longer by more than this many tokens (default 160; "
+                        "when its estimated wait there is longer by more than this many tokens ("
                         "sglang-router's cache_aware balance test, on waits; docs/router.md)")
     g.add_argument("--kv-balance-rel-threshold", type=float, default=d.kv_balance_rel_threshold,
-                   help="kv_aware: ... and more than this many times as long (default 1.2; 0: the idle rule is off)")
+                   help="kv_aware: ... and more than this many times as long (0: the idle rule is off)")
     g.add_argument("--kv-balance-band", type=float, default=d.kv_balance_band,
                    help="kv_aware: the queued-prefill and load terms count only what a target holds over (1 + this) "
-                        "x the least loaded target's (default 0: off; docs/router.md, the balance band)")
+                        "x the least loaded target's (0: off; docs/router.md, the balance band)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")
