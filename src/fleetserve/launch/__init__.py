@@ -431,6 +431,9 @@ class Launcher:
             else:
                 w.proc = None  # stop watching it
                 self.workers = [x for x in self.workers if x is not w]
+                if not self.workers:  # the router stays up (workers can be added), but say what that means
+                    print("[launch] no instance left: the router answers 503 (no_healthy_worker) until one is added "
+                          "(POST /add_worker or /workers); --restart-workers restarts dead instances", flush=True)
 
     # ------------------------------------------------------------------- run
     def run(self) -> int:

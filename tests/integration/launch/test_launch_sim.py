@@ -1,6 +1,7 @@
 """``fleetserve launch`` with simulated instances: serve through the router, restart a
 killed instance, stop on SIGTERM leaving no process (checked by PID)."""
 
+import json
 import os
 import signal
 import sys
@@ -54,3 +55,29 @@ def test_launch_sim_restart_and_clean_stop():
     while any(alive(p) for p in every) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [p for p in every if alive(p)] == []
+
+
+@pytest.mark.timeout(120)
+def test_launch_says_when_no_instance_is_left_and_the_router_answers_503():
+    import urllib.error
+
+    PORT, BASE = free_ports(1)
+    lp = LaunchProc(["--worker-kind", "sim", "--workers", "1", "--port", str(PORT), "--worker-base-port", str(BASE),
+                     "--shutdown-grace", "10"])
+    try:
+        lp.wait_for(rf"router ready: http://127\.0\.0\.1:{PORT}", 60)
+        url = f"http://127.0.0.1:{PORT}"
+        assert chat(url, "hello", max_tokens=2)[0] == 200
+        os.kill(lp.pids()["worker0"], signal.SIGKILL)
+        lp.wait_for(r"worker0 .*exited", 20)
+        lp.wait_for(r"^\[launch\] no instance left: the router answers 503 \(no_healthy_worker\) until one is added",
+                    10)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            chat(url, "hello again", max_tokens=2)
+        assert err.value.code == 503
+        assert json.loads(err.value.read())["error"]["code"] == "no_healthy_worker"
+        assert lp.proc.poll() is None  # launch and its router keep running
+    finally:
+        code = lp.stop()
+    assert code == 0, lp.lines[-20:]
+
