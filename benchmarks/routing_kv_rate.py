@@ -327,7 +327,7 @@ def rate_part(a: argparse.Namespace) -> None:
            "--page-size", str(rk.PAGE), "--tokenizer", "smollm2", "--kv-events-config", json.dumps(cfg)]
     if dp > 1:
         sim += ["--dp-size", str(dp)]
-    rows_def = [r for r in rk.routers(dp > 1, tdir, have_peer, False, tuple(a.kv_variant))
+    rows_def = [r for r in rk.routers(dp > 1, tdir, have_peer, bool(a.baseline_src), tuple(a.kv_variant))
                 if r[0] not in a.skip and (r[0] != "round_robin" or a.with_round_robin)]
     share = a.foreign_share if foreign else 0.0
     out_file = RESULTS / f"{a.section}.json"
