@@ -28,7 +28,9 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   (:data:`DEFAULT_DECODE_TOKENS` when absent, at most :data:`MAX_DECODE_TOKENS`)
   from the routing decision until its answer ends; while the engine's own
   ``/v1/loads`` figure is fresh, the larger of the two, the engine's less what
-  this router saw end since it was taken (:mod:`.loads`).
+  this router saw end since it was taken (:mod:`.loads`) and less the cached
+  prompt tokens of this router's requests it counts (:func:`_held_cached`: the
+  engine counts whole prompts, the router only what a request adds).
 
 * ``queued_prefill_tokens(t)``: prefill work ahead of the request on ``t``: the
   uncached prompt tokens (``prompt_tokens - cached_tokens`` at their decision) of
