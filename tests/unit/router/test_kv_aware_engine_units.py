@@ -44,7 +44,7 @@ def test_the_cached_prefixes_of_this_routers_hits_do_not_push_the_next_turn_off_
     assert pol.select([Worker(A), Worker(B)], nxt).url == A and nxt.cached == 400
     for k in keys:  # every answer ended: nothing of them is held or taken off any more
         pol.release(k)
-    assert pol.inflight_keys == {(A, None): {nxt: None}}
+    assert pol.inflight_keys == {(A, None): {nxt: None}} and pol.held_tokens == {(A, None): 400}
 
 
 def test_traffic_the_router_did_not_send_still_counts_in_full():
@@ -73,9 +73,12 @@ def test_requests_sent_after_the_snapshot_was_taken_are_not_taken_off():
     assert _held_cached(held, el.counts_from(A)) == 0
     assert _held_cached(held, time.monotonic() + 1) == 3 * 400
     assert _held_cached(held, None) == 0
+    assert _held_cached(held, time.monotonic() + 1, pol.held_tokens[(A, None)]) == 3 * 400
+    assert _held_cached(held, keys[1].charged[2], 3 * 400) == 400  # only the first was sent before
+    assert _held_cached(held, keys[1].charged[2]) == 400
     el.put(B, {0: 0})
     # A: 1 + 0.1 x 5000 = 501 against B's 401: the foreign load moves it, nothing was taken off
     assert pol.select([Worker(A), Worker(B)], RouteKey("", P + [99], 8)).url == B
     for k in keys:
         pol.release(k)
-    assert (A, None) not in pol.inflight_keys
+    assert (A, None) not in pol.inflight_keys and (A, None) not in pol.held_tokens

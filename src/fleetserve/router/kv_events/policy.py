@@ -229,7 +229,7 @@ def _pending_prefix(tokens: list[int], limit: int, queued_keys, text: str | None
     return best
 
 
-def _held_cached(keys, counts_from: float | None) -> int:
+def _held_cached(keys, counts_from: float | None, total: int | None = None) -> int:
     """Cached prompt tokens (``cached_tokens`` at their decision) of this router's in-flight requests
     ``keys`` on a target that its engine snapshot counts (sent before ``counts_from``, :meth:`.loads.
     EngineLoads.counts_from`).
@@ -244,10 +244,20 @@ def _held_cached(keys, counts_from: float | None) -> int:
     router's units; what is left over the router's count is traffic it did not send.  Requests that
     share a cached prefix on a running batch are held once by the engine and taken off once each
     here, so with such sharing the figure errs low (never below 0; the router's count still holds).
+
+    ``keys``: in the order they were sent (``KvAwarePolicy.inflight_keys`` keeps them so); ``total``:
+    their summed ``cached`` when the caller keeps it, so that only the requests sent since the
+    snapshot are looked at (walked from the newest).
     """
     if counts_from is None:
         return 0
-    return sum(k.cached for k in keys if k.charged is not None and k.charged[2] < counts_from)
+    if total is None:
+        total = sum(k.cached for k in keys)
+    for k in reversed(keys):
+        if k.charged[2] < counts_from:
+            break
+        total -= k.cached
+    return total
 
 
 def idle_rule(best_wait: float, idle_wait: float, abs_threshold: float, rel_threshold: float) -> bool:
@@ -321,6 +331,7 @@ class KvAwarePolicy:
         self.sorted_prompts = SortedPrompts()  # the same keys' prompts, all targets in one sorted list
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
         self.inflight_keys: dict = {}  # (url, rank or None) -> {RouteKey: None}, the requests counted in load_tokens
+        self.held_tokens: dict = {}  # (url, rank or None) -> their summed cached_tokens (see _held_cached)
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
         self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
         self.tokenizer_check = TokenizerCheck()
@@ -396,7 +407,7 @@ class KvAwarePolicy:
         engine_loads = self.engine_loads
         now = time.monotonic() if engine_loads is not None else 0.0
         load_tokens, inflight, queued_tokens = self.load_tokens, self.inflight, self.queued_tokens
-        inflight_keys = self.inflight_keys
+        inflight_keys, held_tokens = self.inflight_keys, self.held_tokens
         prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
         decode_tokens = key.decode_tokens
         overflow_weight = prefill_weight * self.overflow_weight
@@ -455,9 +466,9 @@ class KvAwarePolicy:
             if engine_loads is not None:  # the engine's own figures, while fresh (loads.py)
                 seen, waiting = engine_loads.figures(url, rank, now)
                 if seen is not None and seen > load:
-                    held = inflight_keys.get(lk)
+                    held = held_tokens.get(lk)
                     if held:  # in the router's units: without the cached prefixes of its requests it counts
-                        seen = max(0, seen - _held_cached(held, engine_loads.counts_from(url)))
+                        seen = max(0, seen - _held_cached(inflight_keys[lk], engine_loads.counts_from(url), held))
                     if seen > load:
                         load = seen
                 if queue_weight and waiting is not None and waiting > queued:  # its prefill work ahead
@@ -577,7 +588,9 @@ class KvAwarePolicy:
         n = key.prompt_tokens - key.cached + key.decode_tokens  # the KV it adds there: shared pages count once
         self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
         self.inflight[lk] = self.inflight.get(lk, 0) + 1
-        self.inflight_keys.setdefault(lk, {})[key] = None
+        self.inflight_keys.setdefault(lk, {})[key] = None  # in the order sent (a retry is re-added last)
+        if key.cached:
+            self.held_tokens[lk] = self.held_tokens.get(lk, 0) + key.cached
         key.charged = (lk, n, time.monotonic())
         q = key.prompt_tokens - key.cached  # its own prefill: queued ahead of the next request until it ends
         key.queued = q
@@ -658,10 +671,15 @@ class KvAwarePolicy:
         else:
             self.inflight.pop(lk, None)
         held = self.inflight_keys.get(lk)
-        if held is not None:
-            held.pop(key, None)
+        if held is not None and held.pop(key, 0) is None:
             if not held:
                 del self.inflight_keys[lk]
+            if key.cached:
+                left = self.held_tokens.get(lk, 0) - key.cached
+                if left > 0:
+                    self.held_tokens[lk] = left
+                else:
+                    self.held_tokens.pop(lk, None)
 
     # ------------------------------------------------------------ workers
     def on_worker_removed(self, url: str) -> None:
