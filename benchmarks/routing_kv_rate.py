@@ -327,7 +327,7 @@ def rate_part(a: argparse.Namespace) -> None:
            "--page-size", str(rk.PAGE), "--tokenizer", "smollm2", "--kv-events-config", json.dumps(cfg)]
     if dp > 1:
         sim += ["--dp-size", str(dp)]
-    rows_def = [r for r in rk.routers(dp > 1, tdir, have_peer, False, tuple(a.kv_variant))
+    rows_def = [r for r in rk.routers(dp > 1, tdir, have_peer, bool(a.baseline_src), tuple(a.kv_variant))
                 if r[0] not in a.skip and (r[0] != "round_robin" or a.with_round_robin)]
     share = a.foreign_share if foreign else 0.0
     out_file = RESULTS / f"{a.section}.json"
@@ -402,6 +402,9 @@ def rate_part(a: argparse.Namespace) -> None:
             order = rows_def if i % 2 == 0 else list(reversed(rows_def))
             for lbl, kind, fl in order:
                 s = run(lbl, kind, fl, rate)
+                if a.dump_requests:  # every request's route, worker and TTFT, for a look at the decisions
+                    (logdir / f"requests-{lbl.replace(' ', '_')}-{rate:g}-{rep}.json").write_text(
+                        json.dumps(s["requests"]))
                 s.pop("requests", None)
                 s["rep"] = rep
                 res["rows"].append(s)
@@ -569,3 +572,7 @@ def add_arguments(k: argparse.ArgumentParser) -> None:
                    help="table: also cut every run at these shares of its arrival window (ascending, in (0, 1], "
                         "e.g. 0.33 0.67 1): backlog and TTFT p90 against the window length; see window_figures()")
     g.add_argument("--watch-every", type=float, default=2.0, help="seconds between polls of the workers' queues")
+    g.add_argument("--dump-requests", action="store_true",
+                   help="table: write every run's requests (rid, start, worker, TTFT, route header, direct) to "
+                        "--log-dir/requests-<router>-<rate>-<run>.json (with ROUTING_EXPERIMENT_ROUTER_LOG_LEVEL="
+                        "debug the router logs there hold kv_aware's cost terms per decision)")

@@ -187,6 +187,16 @@ class EngineLoads:
         cut = snap[2] if snap[3] == snap[0] else snap[3]  # taken, when the engine said; else asked
         return sent < cut and now >= snap[0]
 
+    def counts_from(self, url: str) -> float | None:
+        """The monotonic time before which a request sent to ``url`` is in its current snapshot's
+        figures (when the engine took them; when they were asked for, without ``timestamp``); None
+        without a snapshot.  The policy takes the cached prompt tokens of its requests sent before
+        then and still in flight off the engine's figure (the engine counts them, the router does not)."""
+        snap = self.snapshots.get(url)
+        if snap is None:
+            return None
+        return snap[2] if snap[3] == snap[0] else snap[3]
+
     def prefilled(self, url: str, rank: int | None, sent: float, tokens: int, now: float | None = None) -> None:
         """A request of this router on ``url``, sent at ``sent``, finished its prefill (its first answer
         bytes arrived, or it ended): when the snapshot counted its ``tokens`` (uncached prompt) as

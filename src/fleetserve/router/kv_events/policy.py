@@ -28,7 +28,9 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   (:data:`DEFAULT_DECODE_TOKENS` when absent, at most :data:`MAX_DECODE_TOKENS`)
   from the routing decision until its answer ends; while the engine's own
   ``/v1/loads`` figure is fresh, the larger of the two, the engine's less what
-  this router saw end since it was taken (:mod:`.loads`).
+  this router saw end since it was taken (:mod:`.loads`) and less the cached
+  prompt tokens of this router's requests it counts (:func:`_held_cached`: the
+  engine counts whole prompts, the router only what a request adds).
 
 * ``queued_prefill_tokens(t)``: prefill work ahead of the request on ``t``: the
   uncached prompt tokens (``prompt_tokens - cached_tokens`` at their decision) of
@@ -236,6 +238,37 @@ def _pending_prefix(tokens: list[int], limit: int, queued_keys, text: str | None
     return best
 
 
+def _held_cached(keys, counts_from: float | None, total: int | None = None) -> int:
+    """Cached prompt tokens (``cached_tokens`` at their decision) of this router's in-flight requests
+    ``keys`` on a target that its engine snapshot counts (sent before ``counts_from``, :meth:`.loads.
+    EngineLoads.counts_from`).
+
+    The engine's ``num_total_tokens`` counts a request's whole prompt (a waiting one its length, a
+    running one the KV it holds, cached prefix included), the router's load only what the request
+    adds (uncached prompt + decode budget).  Taken raw, ``max(router, engine)`` thus charges a target
+    about its requests' cached prefixes in addition: the more of this router's requests hit there,
+    the more loaded it looks, and under direct traffic (which keeps the engine's figure fresh and
+    above the router's) conversations were pushed off their own cache (docs/router.md, the load
+    term and the engines' loads).  Taking these tokens off puts the engine's figure in the
+    router's units; what is left over the router's count is traffic it did not send.  Requests that
+    share a cached prefix on a running batch are held once by the engine and taken off once each
+    here, so with such sharing the figure errs low (never below 0; the router's count still holds).
+
+    ``keys``: in the order they were sent (``KvAwarePolicy.inflight_keys`` keeps them so); ``total``:
+    their summed ``cached`` when the caller keeps it, so that only the requests sent since the
+    snapshot are looked at (walked from the newest).
+    """
+    if counts_from is None:
+        return 0
+    if total is None:
+        total = sum(k.cached for k in keys)
+    for k in reversed(keys):
+        if k.charged[2] < counts_from:
+            break
+        total -= k.cached
+    return total
+
+
 def idle_rule(best_wait: float, idle_wait: float, abs_threshold: float, rel_threshold: float) -> bool:
     """Whether a request leaves the lowest-cost target, whose estimated wait to its first token is
     ``best_wait``, for an idle target (nothing of this router in flight there, no prefill queued)
@@ -306,6 +339,8 @@ class KvAwarePolicy:
         self.queued_keys: dict = {}  # (url, rank or None) -> the RouteKeys counted in queued_tokens
         self.sorted_prompts = SortedPrompts()  # the same keys' prompts, all targets in one sorted list
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
+        self.inflight_keys: dict = {}  # (url, rank or None) -> {RouteKey: None}, the requests counted in load_tokens
+        self.held_tokens: dict = {}  # (url, rank or None) -> their summed cached_tokens (see _held_cached)
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
         self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
         self.tokenizer_check = TokenizerCheck()
@@ -381,6 +416,7 @@ class KvAwarePolicy:
         engine_loads = self.engine_loads
         now = time.monotonic() if engine_loads is not None else 0.0
         load_tokens, inflight, queued_tokens = self.load_tokens, self.inflight, self.queued_tokens
+        inflight_keys, held_tokens = self.inflight_keys, self.held_tokens
         prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
         decode_tokens = key.decode_tokens
         overflow_weight = prefill_weight * self.overflow_weight
@@ -439,7 +475,11 @@ class KvAwarePolicy:
             if engine_loads is not None:  # the engine's own figures, while fresh (loads.py)
                 seen, waiting = engine_loads.figures(url, rank, now)
                 if seen is not None and seen > load:
-                    load = seen
+                    held = held_tokens.get(lk)
+                    if held:  # in the router's units: without the cached prefixes of its requests it counts
+                        seen = max(0, seen - _held_cached(inflight_keys[lk], engine_loads.counts_from(url), held))
+                    if seen > load:
+                        load = seen
                 if queue_weight and waiting is not None and waiting > queued:  # its prefill work ahead
                     queued = waiting
             if queued and cached and tokens:  # the part of it this request shares is in its cached_tokens
@@ -566,6 +606,9 @@ class KvAwarePolicy:
         n = key.prompt_tokens - key.cached + key.decode_tokens  # the KV it adds there: shared pages count once
         self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
         self.inflight[lk] = self.inflight.get(lk, 0) + 1
+        self.inflight_keys.setdefault(lk, {})[key] = None  # in the order sent (a retry is re-added last)
+        if key.cached:
+            self.held_tokens[lk] = self.held_tokens.get(lk, 0) + key.cached
         key.charged = (lk, n, time.monotonic())
         q = key.prompt_tokens - key.cached  # its own prefill: queued ahead of the next request until it ends
         key.queued = q
@@ -645,6 +688,16 @@ class KvAwarePolicy:
             self.inflight[lk] = reqs
         else:
             self.inflight.pop(lk, None)
+        held = self.inflight_keys.get(lk)
+        if held is not None and held.pop(key, 0) is None:
+            if not held:
+                del self.inflight_keys[lk]
+            if key.cached:
+                left = self.held_tokens.get(lk, 0) - key.cached
+                if left > 0:
+                    self.held_tokens[lk] = left
+                else:
+                    self.held_tokens.pop(lk, None)
 
     # ------------------------------------------------------------ workers
     def on_worker_removed(self, url: str) -> None:
