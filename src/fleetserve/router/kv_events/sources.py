@@ -65,15 +65,21 @@ def rank_endpoint(endpoint: str, worker_url: str, rank: int) -> str:
     return f"tcp://{host}:{int(port) + rank}"
 
 
-def endpoints_from_info(info: dict, worker_url: str) -> list[tuple[int, str, str | None, str]] | None:
-    """``(rank, endpoint, replay_endpoint, topic)`` per DP rank from ``/get_server_info``; None without config."""
+def _events_config(info: dict) -> dict | None:
+    """``/get_server_info``'s ``kv_events_config`` (an object or its JSON text) when it names an ``endpoint``."""
     cfg = info.get("kv_events_config")
     if isinstance(cfg, str):
         try:
             cfg = json.loads(cfg)
         except ValueError:
             return None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("endpoint"), str):
+    return cfg if isinstance(cfg, dict) and isinstance(cfg.get("endpoint"), str) else None
+
+
+def endpoints_from_info(info: dict, worker_url: str) -> list[tuple[int, str, str | None, str]] | None:
+    """``(rank, endpoint, replay_endpoint, topic)`` per DP rank from ``/get_server_info``; None without config."""
+    cfg = _events_config(info)
+    if cfg is None:
         return None
     if cfg.get("publisher", "zmq") not in ("zmq",):
         return None
@@ -90,14 +96,9 @@ def connecting_endpoint(info: dict) -> str | None:
     wildcard): such a PUB socket connects to a collector instead of binding (vLLM's and SGLang's rule,
     docs/kv_events.md), so a router that subscribes there, connecting too, receives nothing unless
     something else binds the address.  None for a wildcard host, ``ipc://`` / ``inproc://`` or no config."""
-    cfg = info.get("kv_events_config")
-    if isinstance(cfg, str):
-        try:
-            cfg = json.loads(cfg)
-        except ValueError:
-            return None
-    ep = cfg.get("endpoint") if isinstance(cfg, dict) else None
-    if not isinstance(ep, str) or not ep.startswith("tcp://"):
+    cfg = _events_config(info)
+    ep = cfg["endpoint"] if cfg is not None else None
+    if ep is None or not ep.startswith("tcp://"):
         return None
     host = ep[len("tcp://"):].rpartition(":")[0]
     return None if host in _WILDCARDS else ep
