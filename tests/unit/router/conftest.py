@@ -1,5 +1,7 @@
 """In-process helpers for the router's unit tests: an aiohttp app on a free port, a router in the same loop."""
 
+from contextlib import asynccontextmanager
+
 import pytest
 from aiohttp import web
 
@@ -16,6 +18,18 @@ async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     return runner, f"http://127.0.0.1:{port}"
+
+
+@asynccontextmanager
+async def recording_worker(make_app):
+    """A worker app ``make_app(seen)`` on a free port: yields ``(url, seen)``, ``seen`` the list the app
+    records its requests in; the app is stopped on exit."""
+    seen: list = []
+    runner, url = await start_app(make_app(seen))
+    try:
+        yield url, seen
+    finally:
+        await runner.cleanup()
 
 
 class InProcessRouter:
@@ -41,6 +55,11 @@ class InProcessRouter:
 @pytest.fixture(name="start_app")
 def _start_app():
     return start_app
+
+
+@pytest.fixture(name="recording_worker")
+def _recording_worker():
+    return recording_worker
 
 
 @pytest.fixture(name="InProcessRouter")

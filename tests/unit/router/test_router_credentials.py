@@ -36,13 +36,9 @@ def keyed_worker_app(seen: list, key: str = KEY) -> web.Application:
 
 
 @pytest.fixture
-async def keyed_worker(start_app):
-    seen: list = []
-    runner, url = await start_app(keyed_worker_app(seen))
-    try:
-        yield url, seen
-    finally:
-        await runner.cleanup()
+async def keyed_worker(recording_worker):
+    async with recording_worker(keyed_worker_app) as got:
+        yield got
 
 
 @pytest.mark.timeout(30)

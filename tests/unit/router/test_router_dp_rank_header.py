@@ -45,13 +45,9 @@ def dp_worker_app(seen: list) -> web.Application:
 
 
 @pytest.fixture
-async def dp_worker(start_app):
-    seen: list = []
-    runner, url = await start_app(dp_worker_app(seen))
-    try:
-        yield url, seen
-    finally:
-        await runner.cleanup()
+async def dp_worker(recording_worker):
+    async with recording_worker(dp_worker_app) as got:
+        yield got
 
 
 async def post(s, url, body, headers=None):

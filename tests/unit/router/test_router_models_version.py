@@ -40,13 +40,9 @@ def engine_like_app(seen: list) -> web.Application:
 
 
 @pytest.fixture
-async def engine_like(start_app):
-    seen: list = []
-    runner, url = await start_app(engine_like_app(seen))
-    try:
-        yield url, seen
-    finally:
-        await runner.cleanup()
+async def engine_like(recording_worker):
+    async with recording_worker(engine_like_app) as got:
+        yield got
 
 
 async def get(s, url, headers=None):
