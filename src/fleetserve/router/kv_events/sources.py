@@ -191,8 +191,9 @@ class KvEventSources:
             info = {}
         ep = self.flag_endpoints.get(url)
         self._connects.pop(url, None)
-        if ep is None and connecting_endpoint(info) is not None:
-            self._connects[url] = connecting_endpoint(info)
+        connects = connecting_endpoint(info) if ep is None else None
+        if connects is not None:
+            self._connects[url] = connects
         if ep is not None:
             dp = info.get("dp_size", info.get("data_parallel_size", 1))
             dp = dp if type(dp) is int and dp >= 1 else 1
