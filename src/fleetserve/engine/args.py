@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,34 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 TOOL_CALL_PARSER_NAMES = ("qwen25", "qwen", "hermes", "deepseekv3", "deepseek_v3", "llama3", "llama3_json")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def check_device(device: str, ranks_per_node: int = 1) -> None:
+    """Raise ``ValueError`` (one line naming ``--device``) unless ``device`` is ``cpu``,
+    ``cuda`` or ``cuda:N`` and, on CUDA, this node has a GPU for each of its ranks.
+
+    Each rank of an instance takes its own GPU (``cuda:<rank mod ranks per node>``, as
+    SGLang places them); NCCL refuses two ranks on one GPU, so ``--tp-size 2`` on a
+    one-GPU machine is refused here, before any rank starts.
+
+    Args:
+        device: the ``--device`` value.
+        ranks_per_node: ranks of the instance on this node (world size / ``--nnodes``).
+    """
+    import torch
+
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", str(device)):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if not str(device).startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible here (torch.cuda.is_available() is False)")
+    visible = torch.cuda.device_count()
+    if ":" in str(device) and int(str(device).split(":")[1]) >= visible:
+        raise ValueError(f"--device {device}: this node has {visible} visible GPU(s) (cuda:0 .. cuda:{visible - 1})")
+    if ranks_per_node > visible:
+        raise ValueError(f"--device {device}: {ranks_per_node} ranks per node (--tp-size / --dp-size) need one GPU "
+                         f"each, and this node has {visible} visible GPU(s)")
 
 
 @dataclass
@@ -173,6 +202,7 @@ class ServerArgs:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         check_quantization(self.quantization, self.device)  # "--quantization must be one of ..."
+        check_device(self.device, self.world_size // max(1, int(self.nnodes)))
         if self.torch_num_threads is not None and int(self.torch_num_threads) < 1:
             raise ValueError(f"--torch-num-threads must be >= 1, got {self.torch_num_threads}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -266,7 +296,7 @@ class ServerArgs:
         g.add_argument("--dtype", default=default("dtype"), choices=DTYPES)
         g.add_argument("--context-length", type=int, default=default("context_length"),
                        help="override the model's maximum context length")
-        g.add_argument("--device", default=default("device"), help="cpu or cuda")
+        g.add_argument("--device", default=default("device"), help="cpu, cuda or cuda:N (default cpu); on CUDA each rank of an instance takes its own GPU")
         g.add_argument("--quantization", default=default("quantization"),
                        help=f"one of {', '.join(QUANTIZATION_CHOICES)}: int8 (= w8a8_int8) fbgemm dynamic W8A8 "
                             "linears on CPU (lossy); fp16_weight: fp16 weights, float32 math; bf16_linear: "

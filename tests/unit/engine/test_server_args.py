@@ -3,6 +3,7 @@
 import argparse
 
 import pytest
+import torch
 
 from fleetserve.engine.args import ServerArgs
 
@@ -105,3 +106,36 @@ def test_serve_refuses_a_bad_torch_compile_max_bs_in_one_line(capsys):
 
     assert serve.main(["--enable-torch-compile", "--torch-compile-max-bs", "0"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == ["fleetserve serve: --torch-compile-max-bs must be >= 1, got 0"]
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "CPU", "cuda0"])
+def test_a_bad_device_is_refused_naming_the_flag(device):
+    with pytest.raises(ValueError, match=r"^--device must be cpu, cuda or cuda:N"):
+        ServerArgs(device=device)
+
+
+def test_cuda_without_a_visible_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--device cuda: no CUDA device is visible"):
+        ServerArgs(device="cuda")
+
+
+@pytest.mark.parametrize("kwargs, ok", [
+    (dict(tp_size=1), True),
+    (dict(tp_size=2), True),
+    (dict(tp_size=4), False),                                       # 4 ranks, 2 GPUs
+    (dict(tp_size=2, dp_size=2), False),                            # 4 ranks without DP attention
+    (dict(tp_size=2, dp_size=2, enable_dp_attention=True), True),   # 2 ranks
+    (dict(tp_size=4, nnodes=2, dist_init_addr="10.0.0.1:5000"), True),  # 2 per node
+    (dict(device="cuda:1"), True),
+    (dict(device="cuda:2"), False),
+])
+def test_cuda_ranks_need_one_visible_gpu_each(monkeypatch, kwargs, ok):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    kwargs = {"device": "cuda", **kwargs}
+    if ok:
+        assert ServerArgs(**kwargs).device == kwargs["device"]
+    else:
+        with pytest.raises(ValueError, match=r"^--device cuda(:2)?: .*2 visible GPU"):
+            ServerArgs(**kwargs)
