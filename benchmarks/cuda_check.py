@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import shutil
 import signal
@@ -314,7 +313,8 @@ def part_serve(args) -> list[dict]:
                 rec["log"] = [ln[-200:] for ln in lines[:3]]
                 out.append(rec)
             finally:
-                os.killpg(proc.pid, signal.SIGTERM)
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
                 try:
                     proc.wait(20)
                 except subprocess.TimeoutExpired:
@@ -327,9 +327,9 @@ def part_nccl(args) -> dict:
     if args.device.startswith("cuda"):
         import torch.distributed as dist
 
-        from fleetserve.distributed.groups import backend_for
+        from fleetserve.distributed.groups import default_backend
 
-        backend = backend_for(args.device)
+        backend = default_backend(args.device)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
         torch.cuda.set_device(0)
         dist.init_process_group(backend, rank=0, world_size=1, device_id=torch.device("cuda:0"))
@@ -347,20 +347,141 @@ def part_nccl(args) -> dict:
     return rec
 
 
-PARTS = {"env": part_env, "parity": part_parity, "decode": part_decode, "serve": part_serve, "nccl": part_nccl}
+def part_profile(args) -> list[dict]:
+    """Eager steps of the SmolLM2-shaped model under each CUDA attention mode
+    (:data:`fleetserve.layers.attention.CUDA_SDPA_MODES`): ms per DECODE step at batch 1
+    and 64 with the default (memory-sized) KV pool and a 64 K-token one, ms of one
+    200-token EXTEND, and the largest logit difference from mode ``auto``. Sets
+    ``FLEETSERVE_CUDA_SDPA`` to the fastest mode at batch 1 for the parts after it, and
+    writes the torch.profiler tables of its batch-1 step to ``<out>.profile.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fleetserve.engine.model_runner import ModelRunner
+    from fleetserve.layers.attention import CUDA_SDPA_MODES
+    from helpers.batch_driver import Req, free, run_decode, run_extend
+
+    path = build_smol_shaped(args)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    out, ref = [], {}
+    for mode in CUDA_SDPA_MODES:
+        os.environ["FLEETSERVE_CUDA_SDPA"] = mode
+        for pool in (None, 65536):
+            runner = ModelRunner(path, dtype=dtype, max_total_tokens=pool if args.device != "cpu" else 32768,
+                                 device=args.device, show_progress=False, disable_cuda_graph=True)
+            rec = {"sdpa": mode, "pool_tokens": runner.max_total_tokens}
+            for bs in (1, 64):
+                reqs = [Req([]) for _ in range(bs)]
+                sync(args.device)
+                t0 = time.perf_counter()
+                run_extend(runner, reqs, [[5 + i] * 200 for i in range(bs)])
+                sync(args.device)
+                rec[f"bs{bs}_extend200_ms"] = round(1000 * (time.perf_counter() - t0), 2)
+                for _ in range(3):
+                    lg = run_decode(runner, reqs, [7] * bs)
+                key = (pool, bs)
+                if mode == "auto":
+                    ref[key] = lg.float().cpu()
+                else:
+                    rec[f"bs{bs}_max_logit_diff_vs_auto"] = round((lg.float().cpu() - ref[key]).abs().max().item(), 4)
+                sync(args.device)
+                t0 = time.perf_counter()
+                for _ in range(16):
+                    run_decode(runner, reqs, [7] * bs)
+                sync(args.device)
+                rec[f"bs{bs}_step_ms"] = round(1000 * (time.perf_counter() - t0) / 16, 2)
+                if bs == 1 and pool is None and mode != "auto":
+                    with profile(activities=acts) as prof:
+                        for _ in range(3):
+                            run_decode(runner, reqs, [7] * bs)
+                        sync(args.device)
+                    with open(f"{args.out}.profile_{mode}.txt", "w") as f:
+                        for sort in ("self_cuda_time_total", "self_cpu_time_total"):
+                            if sort.startswith("self_cuda") and len(acts) == 1:
+                                continue
+                            f.write(prof.key_averages().table(sort_by=sort, row_limit=20) + "\n")
+                free(runner, reqs)
+            out.append(rec)
+            del runner
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    best = min((r for r in out if r["pool_tokens"] == out[0]["pool_tokens"]), key=lambda r: r["bs1_step_ms"])
+    os.environ["FLEETSERVE_CUDA_SDPA"] = best["sdpa"]
+    out.append({"chosen_for_later_parts": best["sdpa"]})
+    return out
+
+
+PARTS = {"env": part_env, "parity": part_parity, "decode": part_decode, "serve": part_serve, "nccl": part_nccl, "profile": part_profile}
 
 
 # ---------------------------------------------------------------- report
-def render(path: str) -> None:
+def _table(rows: list[dict], cols: list[str]) -> list[str]:
+    head = "| " + " | ".join(cols) + " |"
+    lines = [head, "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return lines
+
+
+def render_markdown(recs: list[dict]) -> str:
+    """Markdown tables of one run's records (one table per part; errors as a line each)."""
+    lines: list[str] = []
+    for r in recs:
+        part, res = r["part"], r.get("result")
+        lines.append(f"**{part}** ({r.get('seconds')} s)")
+        lines.append("")
+        if res is None:
+            lines.append(f"error: `{r.get('error')}`")
+        elif part == "parity":
+            rows = [{"model": x["model"], "graphs captured": x["graphs_graphs_captured"],
+                     "max diff extend": f"{x['graphs_max_diff']['extend']:.1e}",
+                     "max diff decode (graphs)": f"{x['graphs_max_diff']['decode']:.1e}",
+                     "max diff decode (eager)": f"{x['eager_max_diff']['decode']:.1e}",
+                     "greedy graphs == eager": x["greedy_graphs_equal_eager"],
+                     "greedy == transformers": x["greedy_equal_transformers"]} for x in res]
+            lines += _table(rows, list(rows[0]))
+        elif part == "decode":
+            runs = [x for x in res if "dtype" in x]
+            sizes = sorted(int(k[2:-6]) for k in runs[0] if k.startswith("bs") and k.endswith("_tok_s"))
+            rows = [{"mode": x["mode"], "start s": x["start_s"], "graphs": x["graphs"],
+                     **{f"bs {b} tok/s (ms/step)": f"{x[f'bs{b}_tok_s']} ({x[f'bs{b}_step_ms']})" for b in sizes}}
+                    for x in runs]
+            agree = next(x for x in res if x["mode"] == "graphs_vs_eager_tokens")
+            rows.append({"mode": "same greedy tokens", **{f"bs {b} tok/s (ms/step)": agree[f"bs{b}"]["same_tokens"]
+                                                          for b in sizes}})
+            lines += _table(rows, list(rows[0]))
+        elif part == "serve":
+            rows = []
+            for x in res:
+                for key in sorted((k for k in x if k.startswith("c") and k[1:].isdigit()), key=lambda k: int(k[1:])):
+                    v = x[key]
+                    rows.append({"mode": x["mode"], "concurrency": v["c"], "requests": v["requests"],
+                                 "output tok/s": v["tok_s"], "mean TTFT ms": v["mean_ttft_ms"],
+                                 "all 64 tokens": v["all_full"], "healthy after s": x["healthy_after_s"]})
+            lines += _table(rows, list(rows[0]))
+        elif part == "profile":
+            rows = [x for x in res if "sdpa" in x]
+            cols = list(dict.fromkeys(c for x in rows for c in x))
+            lines += _table(rows, cols)
+            lines += ["", f"chosen: `{res[-1].get('chosen_for_later_parts')}`"]
+        else:
+            lines.append(f"`{json.dumps(res)}`")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render(paths: list[str], intro: str = "") -> None:
+    """Write docs/benchmarks.md's section from one or more results files (one subsection each)."""
     from doc_section import write_section
 
-    recs = [json.loads(ln) for ln in open(path) if ln.strip()]
-    lines = []
-    for r in recs:
-        lines.append(f"- `{r['part']}`: `{json.dumps({k: v for k, v in r.items() if k != 'part'})}`")
+    body = [intro] if intro else []
+    for i, path in enumerate(paths, 1):
+        recs = [json.loads(ln) for ln in open(path) if ln.strip()]
+        body += [f"### Run {i}: `{os.path.basename(os.path.dirname(os.path.abspath(path)))}`", "",
+                 render_markdown(recs)]
     write_section("engine-cuda-check", "Engine on CUDA (benchmarks/cuda_check.py)",
                   "python benchmarks/cuda_check.py --tokenizer-dir DIR --out results.jsonl; "
-                  f"python benchmarks/cuda_check.py --render results.jsonl", "\n".join(lines))
+                  "python benchmarks/cuda_check.py --render results.jsonl [--intro FILE]", "\n".join(body))
 
 
 def main() -> None:
@@ -371,10 +492,11 @@ def main() -> None:
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--quick", action="store_true", help="small sizes (for --device cpu)")
-    ap.add_argument("--render", metavar="JSONL", help="write docs/benchmarks.md's section from a results file")
+    ap.add_argument("--render", metavar="JSONL", nargs="+", help="write docs/benchmarks.md's section from results files")
+    ap.add_argument("--intro", metavar="FILE", help="with --render: markdown put before the tables")
     args = ap.parse_args()
     if args.render:
-        render(args.render)
+        render(args.render, open(args.intro).read().strip() if args.intro else "")
         return
     if args.tokenizer_dir is None:
         from fleetserve.models.tokenizer import tokenizer_dir

@@ -40,6 +40,7 @@ from fleetserve.distributed.traceable import register_groups
 from fleetserve.core.forward_batch import ForwardBatch, ForwardMode
 from fleetserve.core.kv_pool import TokenSlotAllocator
 from fleetserve.core.forward_context import ForwardContext
+from fleetserve.layers.attention import configure_cuda_sdpa
 from fleetserve.layers.opaque_gemm import register_gemm_layers
 from fleetserve.engine.int8_calibration import calibrator
 from fleetserve.layers.quantization import apply_quantization, check_quantization
@@ -176,6 +177,8 @@ class ModelRunner:
         run_loaders(self.model.weight_loaders(source), desc=f"Loading {name}", show_progress=show_progress)
         source.close()
         self.model.to(self.device).eval()
+        if self.device.type == "cuda":
+            logger.info("attention on CUDA: FLEETSERVE_CUDA_SDPA=%s", configure_cuda_sdpa())
         self.quantization = apply_quantization(self.model, quantization, self.device, calibrate=self.int8_calibrator())
 
         self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.dtype)

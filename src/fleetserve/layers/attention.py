@@ -44,6 +44,48 @@ def gather_rows(buffer: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
     return buffer.index_select(0, kv_idx.reshape(-1)).view(B, L, *buffer.shape[1:])
 
 
+#: How ``scaled_dot_product_attention`` is dispatched on CUDA (:func:`configure_cuda_sdpa`;
+#: env ``FLEETSERVE_CUDA_SDPA``): ``auto`` leaves torch's choice (cuDNN's kernel first on Hopper);
+#: ``no_cudnn`` switches cuDNN's kernel off, so torch takes its memory-efficient or math kernel;
+#: ``expand`` does that and also repeats K/V heads to the query heads (GQA / MLA), which the
+#: memory-efficient kernel needs. Why: on an H200 (torch 2.11, cuDNN SDPA) every call with a new
+#: KV length built a new cuDNN plan, about 1.2 ms of host time per layer per step -- most of an
+#: eager decode step of SmolLM2-135M (benchmarks/cuda_check.py, docs/benchmarks.md engine-cuda-check).
+CUDA_SDPA_MODES = ("auto", "no_cudnn", "expand")
+_CUDA_SDPA = {"mode": "auto"}
+
+
+def configure_cuda_sdpa(mode: str | None = None) -> str:
+    """Set how attention runs on CUDA for this process; returns the mode set.
+
+    Args:
+        mode: one of :data:`CUDA_SDPA_MODES`; None = env ``FLEETSERVE_CUDA_SDPA``, else
+            :data:`DEFAULT_CUDA_SDPA`.
+
+    Raises:
+        ValueError: an unknown mode (naming ``FLEETSERVE_CUDA_SDPA``).
+    """
+    import os
+
+    mode = mode or os.environ.get("FLEETSERVE_CUDA_SDPA") or DEFAULT_CUDA_SDPA
+    if mode not in CUDA_SDPA_MODES:
+        raise ValueError(f"FLEETSERVE_CUDA_SDPA must be one of {CUDA_SDPA_MODES}, got {mode!r}")
+    torch.backends.cuda.enable_cudnn_sdp(mode == "auto")
+    _CUDA_SDPA["mode"] = mode
+    return mode
+
+
+def expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """``[B, L, hk, d] -> [B, L, num_q_heads, d]``: KV head ``j`` repeated for the
+    ``num_q_heads / hk`` query heads that read it (query head ``i`` reads KV head
+    ``i // (num_q_heads / hk)``, the grouping of ``enable_gqa``)."""
+    return x.repeat_interleave(num_q_heads // x.shape[2], dim=2)
+
+
+#: The mode a CUDA model runner sets when neither the caller nor the environment names one.
+DEFAULT_CUDA_SDPA = "no_cudnn"
+
+
 #: Compiled DECODE steps on CPU use :func:`decode_attention_reduction` when True (read at trace time).
 #: Off by default: alone (one layer, 32 requests of 100-250 tokens) it measured ~2x SDPA over a
 #: gathered copy, but in SmolLM2's whole compiled step its first form was slower (inductor recomputed
@@ -115,6 +157,8 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Fo
         qp = q.view(B, 1, hq, dk)
     else:
         qp = torch.cat([q, q.new_zeros(1, hq, dk)]).index_select(0, meta.q_gather).view(B, S, hq, dk)
+    if k.shape[2] != hq and q.is_cuda and _CUDA_SDPA["mode"] == "expand":
+        k, v = expand_kv_heads(k, hq), expand_kv_heads(v, hq)
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.additive_mask(q.dtype),
         scale=scale, enable_gqa=k.shape[2] != hq,
