@@ -19,6 +19,8 @@ IDLE batch whose step every rank agreed may use a graph
 ``cuda_graph_max_bs``. The batch is padded to the bucket: padding rows read
 token 0 at position 0, write their KV to the scratch slot 0 and attend only to
 it (sequence length 1), so no real slot is touched; their logits are dropped.
+Without DP attention, a DECODE batch past the largest bucket is replayed in slices
+of that bucket (and one smaller bucket for the rest) rather than run eagerly.
 On CPU nothing changes unless ``eager_graph_stand_in=True`` (tests), which runs
 the same padded path eagerly, or ``enable_torch_compile=True``
 (``--enable-torch-compile``), which runs it through ``torch.compile`` for buckets
@@ -298,16 +300,40 @@ class ModelRunner:
             return None
         return self.graph_runner.bucket_for(batch.batch_size)
 
-    def _forward_graph(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+    def _graph_chunks(self, batch: ForwardBatch) -> list[tuple[int, int, int]] | None:
+        """``[(start, stop, bucket), ...]`` row ranges of a DECODE batch larger than the
+        largest bucket, each replayed through the graph runner on its own; None when the
+        batch is not such a batch.
+
+        Decode rows do not interact (each attends to its own KV), so a batch of 64 runs as
+        two replays of the 32 bucket instead of one eager step: on an H200 an eager step of
+        SmolLM2-135M took 37-92 ms and a bucket-32 replay 5-10 ms (docs/benchmarks.md,
+        engine-cuda-check). Not under DP attention, where every rank must replay one agreed
+        shape (the FFN gather); TP ranks hold the same batch and so split it alike.
+        """
+        if (self.graph_runner is None or batch.return_all_logits or self.pstate.attn_dp_size > 1
+                or not batch.mode.is_decode()):
+            return None
+        largest = self.graph_runner.batch_sizes[-1]
         n = batch.batch_size
-        kv = [k.to(self.device) for k in batch.kv_indices]
+        if n <= largest:
+            return None
+        chunks = [(a, min(a + largest, n)) for a in range(0, n, largest)]
+        return [(a, b, self.graph_runner.bucket_for(b - a)) for a, b in chunks]
+
+    def _forward_graph(self, batch: ForwardBatch, bucket: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of a DECODE (or DP IDLE) batch through the graph runner's ``bucket``."""
+        stop = batch.batch_size if stop is None else stop
+        n = stop - start
+        kv = [k.to(self.device) for k in batch.kv_indices[start:stop]]
         if n:
             kv_idx = torch.nn.utils.rnn.pad_sequence(kv, batch_first=True, padding_value=0)
         else:
             kv_idx = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
         inputs = {"input_ids": batch.input_ids, "positions": batch.positions, "out_cache_loc": batch.out_cache_loc,
-                  "seq_lens": batch.seq_lens, "kv_idx": kv_idx}
-        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+                  "seq_lens": batch.seq_lens}
+        inputs = {k: v[start:stop].to(self.device) for k, v in inputs.items()}
+        inputs["kv_idx"] = kv_idx
         return self.graph_runner.run(inputs, bucket, max(1, kv_idx.shape[1])).clone()
 
     @torch.inference_mode()
@@ -320,6 +346,9 @@ class ModelRunner:
         bucket = self._graph_bucket(batch)
         if bucket is not None:
             return self._forward_graph(batch, bucket)
+        chunks = self._graph_chunks(batch)
+        if chunks is not None:
+            return torch.cat([self._forward_graph(batch, b, start, stop) for start, stop, b in chunks])
         meta = ForwardContext.build(batch, self.device)
         meta.global_num_tokens = batch.global_num_tokens  # DP attention's FFN gather
         hidden = self.model(batch.input_ids.to(self.device), meta, self.kv_pool)

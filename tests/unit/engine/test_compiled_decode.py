@@ -42,8 +42,10 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(tiny_llama_dir):
         assert runner.last_key == key
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step recompiled"
     assert compiled.allocator.available_size() == eager.allocator.available_size()
-    # five requests: past the largest bucket (4), so the step runs eagerly, with eager's tokens
+    # five requests: past the largest bucket (4), so each step replays bucket 4 for the first four
+    # rows and bucket 1 for the fifth (longest sequence 4 + 3 = 7), with eager's tokens
     five = PROMPTS + [[3, 1, 4], [1, 5, 9, 2]]
     runner.last_key = None
     assert greedy_generate(compiled, five, 4) == greedy_generate(eager, five, 4)
-    assert runner.last_key is None
+    assert runner.last_key == (1, 7)
+    assert counters["stats"]["unique_graphs"] == graphs, "a sliced decode step recompiled"

@@ -80,17 +80,42 @@ def test_too_long_for_every_width_still_pads_rows_and_matches(llama_pair):
     free(graphed, reqs["graphed"])
 
 
-def test_batches_past_the_largest_bucket_or_not_decode_run_eagerly(llama_pair):
-    _, graphed = llama_pair
-    reqs = [Req([]) for _ in range(5)]
+def test_extend_runs_eagerly_and_batches_past_the_largest_bucket_replay_in_slices(llama_pair):
+    eager, graphed = llama_pair
+    prompts = [[i + 1, i + 2, (3 * i) % 11 + 1] for i in range(11)]
+    reqs = {r: [Req([]) for _ in prompts] for r in ("eager", "graphed")}
     graphed.graph_runner.last_key = None
-    run_extend(graphed, reqs, [[i + 1, i + 2] for i in range(5)])
+    run_extend(eager, reqs["eager"], prompts)
+    run_extend(graphed, reqs["graphed"], prompts)
     assert graphed.graph_runner.last_key is None          # EXTEND: never a graph
-    out = run_decode(graphed, reqs, [1, 2, 3, 4, 5])      # 5 > cuda_graph_max_bs 4
-    assert out.shape[0] == 5 and graphed.graph_runner.last_key is None
-    out = run_decode(graphed, reqs[:2], [6, 7])
+    keys = []
+    run = graphed.graph_runner.run
+    graphed.graph_runner.run = lambda inputs, bucket, seq_len: keys.append(
+        (inputs["input_ids"].tolist(), bucket)) or run(inputs, bucket, seq_len)
+    try:
+        nxt = [20 + i for i in range(11)]
+        want = run_decode(eager, reqs["eager"], nxt)
+        got = run_decode(graphed, reqs["graphed"], nxt)    # 11 > cuda_graph_max_bs 4: 4 + 4 + 3
+    finally:
+        del graphed.graph_runner.run
+    assert keys == [(nxt[0:4], 4), (nxt[4:8], 4), (nxt[8:11], 4)]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for r_e, r_g in zip(reqs["eager"], reqs["graphed"]):  # each row's KV written once, as eagerly
+        torch.testing.assert_close(_kv(graphed)[:, :, int(r_g.slots[-1])], _kv(eager)[:, :, int(r_e.slots[-1])],
+                                   rtol=1e-5, atol=1e-5)
+    out = run_decode(graphed, reqs["graphed"][:2], [6, 7])
     assert out.shape[0] == 2 and graphed.graph_runner.last_key == (2, 16)
-    free(graphed, reqs)
+    free(eager, reqs["eager"])
+    free(graphed, reqs["graphed"])
+
+
+def test_no_slices_under_dp_attention(tiny_llama_dir):
+    graphed = _runner(tiny_llama_dir, eager_graph_stand_in=True, cuda_graph_max_bs=4)
+    fb = ForwardBatch(ForwardMode.DECODE, *[torch.zeros(6, dtype=torch.int64)] * 6)
+    assert [(a, b, k) for a, b, k in graphed._graph_chunks(fb)] == [(0, 4, 4), (4, 6, 2)]
+    graphed.pstate = type(graphed.pstate)(tp_size=2, attn_dp_size=2)
+    assert graphed._graph_chunks(fb) is None
 
 
 def test_bucket_choice_follows_the_dp_counts_and_the_agreement(tiny_llama_dir):
