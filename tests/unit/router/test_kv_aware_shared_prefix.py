@@ -154,6 +154,86 @@ def test_one_sorted_scan_gives_every_targets_pending_prefix_and_shared_queued():
                 assert shared == _shared_queued(me.tokens, cached, queues[t], text)  # the text scan agrees
 
 
+def test_a_scan_that_stops_early_leaves_out_only_what_cannot_matter():
+    """SortedPrompts.scan(text, stop) walks only the prompts that share more than ``stop`` ids: at
+    ``stop`` <= the least queued ``cached`` (``sp.cached[0]``, kept sorted as keys come and go) every
+    target it reports has the full scan's answer, and one it leaves out shares at most ``stop`` ids
+    and has no pairs."""
+    import random
+
+    from fleetserve.router.kv_events.pending import SortedPrompts, one_char_per_id
+
+    rng = random.Random(11)
+    for _ in range(1500):
+        groups = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(3)]
+
+        def toks():
+            g = rng.choice(groups)
+            return g[:rng.randrange(len(g) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(15))]
+        sp = SortedPrompts()
+        keys = []
+        for _ in range(rng.randrange(1, 16)):
+            if keys and rng.random() < 0.3:
+                assert sp.remove(keys.pop(rng.randrange(len(keys))))
+                continue
+            key = RouteKey("t", toks() or [1], 0)
+            key.cached = rng.randrange(25)
+            assert sp.add(key, rng.choice("abc"))
+            keys.append(key)
+        assert sp.cached == sorted(k.cached for k in keys) and len(sp.lows) == len(sp.keys)
+        if not keys:
+            continue
+        text = one_char_per_id(RouteKey("t", toks() or [2], 0))
+        full = sp.scan(text)
+        for stop in range(sp.cached[0] + 1):
+            part = sp.scan(text, stop)
+            for t in "abc":
+                if t in part:
+                    assert part[t] == full[t]
+                else:
+                    longest, pairs = full.get(t, (0, []))
+                    assert longest <= stop and not pairs
+
+
+def test_the_shortened_scan_decides_as_the_full_one(monkeypatch):
+    """The policy stops its sorted scan at the least cached_tokens of the targets it covers (and the least
+    queued ``cached``): random prompts in a few groups, queued and prefilled at random on 3 workers with
+    and without KV events, decide and charge as with the scan over every queued prompt."""
+    import random
+
+    from fleetserve.router.kv_events.pending import SortedPrompts
+
+    def run(full: bool) -> list:
+        rng = random.Random(3)
+        out = []
+        for case in range(60):
+            pol = KvAwarePolicy(speculative_ttl_s=0, dp_aware=case % 3 == 0)
+            urls = ["http://a:1", "http://b:1", "http://c:1"]
+            for u in urls[:case % 3]:
+                pol.subs[u] = {0: SimpleNamespace(state=rng.choice(["exact", "degraded"]))}
+            workers = [Worker(u) for u in urls]
+            groups = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(4)]
+            live = []
+            for _ in range(40):
+                if live and rng.random() < 0.3:
+                    k = live.pop(rng.randrange(len(live)))
+                    pol.release(k) if rng.random() < 0.5 else pol.prefilled(k)
+                    continue
+                if rng.random() < 0.2:
+                    store(pol, rng.choice(urls), rng.choice(groups))
+                g = rng.choice(groups)
+                key = RouteKey("", g[:rng.randrange(len(g) + 1)] + [rng.randrange(50) for _ in range(8)], 4)
+                w = pol.select(workers, key)
+                out.append((w.url, key.rank, key.branch, key.cached, key.queued))
+                live.append(key)
+        return out
+
+    shortened = run(False)
+    scan = SortedPrompts.scan
+    monkeypatch.setattr(SortedPrompts, "scan", lambda self, text, stop=0: scan(self, text))
+    assert run(True) == shortened
+
+
 def test_a_prompt_stays_with_its_cached_system_prompt_behind_a_queue_of_about_as_many_tokens():
     # The split in the logs: A holds group 0's system prompt (its events) and has two prefills queued,
     # another group's whole prompt (555 uncached) and a group-0 question (38); B is idle.

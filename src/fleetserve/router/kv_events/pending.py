@@ -14,6 +14,10 @@ target at once, the longest prefix the new prompt shares with one of its queued 
 Before, each target cost two comparisons and a scan of its own keys (each comparison a
 binary search of slices, about 2 µs on a 400-id prompt): at 4 workers and 16 requests in
 flight the policy spent ~14 µs a request there (benchmarks/kv_policy_cost.py).
+The walk stops where the shared figure falls to the query's ``stop``: prompts that share no more
+than the least ``cached`` of the queued keys overlap none of their uncached parts, and the policy
+passes at most the least cached_tokens of the targets it asks about too, so prompts that share only
+a common opening (a system prompt every request starts with) are not walked at all.
 
 A key whose ids text is not one character per id (an id outside ``[0, 0x10FFFF]``) is
 kept in its target's list but not in the sorted texts; while a target has any, the policy
@@ -23,7 +27,7 @@ no prefix is compared for them.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 
 
 def agree_from(a, b, lo: int, hi: int) -> int:
@@ -94,12 +98,14 @@ class SortedPrompts:
     Adding a prompt costs two string comparisons, each starting past what its neighbours share;
     removing one, none (its neighbours share the smaller of their two figures)."""
 
-    __slots__ = ("texts", "keys", "targets", "lcps", "_version", "_probe")
+    __slots__ = ("texts", "keys", "targets", "lows", "cached", "lcps", "_version", "_probe")
 
     def __init__(self) -> None:
         self.texts: list[tuple[str, int]] = []  # (ids text, id(key)), sorted; a queued key keeps its id unique
         self.keys: list = []  # the keys of `texts`, in the same order
         self.targets: list = []  # each key's target, in the same order
+        self.lows: list[int] = []  # each key's `cached` when it was added, in the same order
+        self.cached: list[int] = []  # the same figures, sorted (cached[0]: the least; see scan's `stop`)
         self.lcps: list[int] = []  # len(texts) - 1 adjacent figures
         self._version = 0  # changes with every add / remove
         # the last scan: (text, version, position, characters shared with texts[i - 1], with texts[i]);
@@ -110,7 +116,8 @@ class SortedPrompts:
         return len(self.texts)
 
     def add(self, key, target) -> bool:
-        """Add ``key``'s prompt, queued on ``target``; False (nothing added) without a one-character-per-id text."""
+        """Add ``key``'s prompt, queued on ``target``; False (nothing added) without a one-character-per-id text.
+        ``key.cached`` (the start of its uncached part) is read now and must not change until it is removed."""
         text = one_char_per_id(key)
         if text is None:
             return False
@@ -141,6 +148,8 @@ class SortedPrompts:
         texts.insert(j, entry)
         self.keys.insert(j, key)
         self.targets.insert(j, target)
+        self.lows.insert(j, key.cached)
+        insort(self.cached, key.cached)
         self._version += 1
         return True
 
@@ -154,7 +163,9 @@ class SortedPrompts:
         if j == len(texts) or self.keys[j] is not key:
             return False
         n = len(texts)
-        del texts[j], self.keys[j], self.targets[j]
+        cached = self.cached
+        del cached[bisect_left(cached, self.lows[j])]
+        del texts[j], self.keys[j], self.targets[j], self.lows[j]
         self._version += 1
         lcps = self.lcps
         if 0 < j < n - 1:  # its two neighbours become adjacent
@@ -165,19 +176,19 @@ class SortedPrompts:
             del lcps[0 if j == 0 else j - 1]
         return True
 
-    def _walk(self, out: dict, a: int, j: int, step: int) -> None:
+    def _walk(self, out: dict, a: int, j: int, step: int, stop: int) -> None:
         """From entry ``j``, which shares ``a`` ids with the probe, outwards by ``step`` (-1 or 1) while the
-        shared figure stays above 0, adding each entry to ``out`` (see :meth:`scan`)."""
-        keys, targets, lcps = self.keys, self.targets, self.lcps
-        end = -1 if step < 0 else len(keys)
-        while a > 0:
+        shared figure stays above ``stop``, adding each entry to ``out`` (see :meth:`scan`)."""
+        targets, lows, lcps = self.targets, self.lows, self.lcps
+        end = -1 if step < 0 else len(targets)
+        while a > stop:
             t = targets[j]
             got = out.get(t)
             if got is None:
                 got = out[t] = [a, []]
             elif a > got[0]:
                 got[0] = a
-            lo = keys[j].cached
+            lo = lows[j]
             if a > lo:
                 got[1].append((a, lo))
             nxt = j + step
@@ -188,12 +199,20 @@ class SortedPrompts:
             if b < a:
                 a = b
 
-    def scan(self, text: str) -> dict:
-        """For each target with a queued prompt sharing at least one token id with ``text`` (a
+    def scan(self, text: str, stop: int = 0) -> dict:
+        """For each target with a queued prompt sharing more than ``stop`` token ids with ``text`` (a
         one-character-per-id ids text): ``(longest, pairs)``, ``longest`` the most leading ids ``text``
         shares with one of its queued prompts, ``pairs`` the ``(shared ids, k.cached)`` of each of its
         queued keys ``k`` that shares more than its own ``cached`` (the others cannot overlap its
-        uncached part).  Cost: two bounded string comparisons and a step per prompt that shares an id."""
+        uncached part).  Cost: two bounded string comparisons and a step per prompt that shares more
+        than ``stop`` ids.
+
+        With ``stop`` > 0 a target none of whose queued prompts shares more than ``stop`` ids with
+        ``text`` is left out (its ``longest`` is then at most ``stop``), and so are the prompts of the
+        targets in ``out`` that share no more than ``stop`` ids: at ``stop <= self.cached[0]`` (the least
+        ``cached`` of the queued keys) none of those could have been in a ``pairs`` list, so every
+        ``pairs`` list is whole and every ``longest`` in ``out`` exact.  (In a sorted list the
+        shared figure only falls with the distance from ``text``'s place, so the walk stops there.)"""
         texts, lcps = self.texts, self.lcps
         n = len(texts)
         out: dict = {}
@@ -207,11 +226,11 @@ class SortedPrompts:
             other = texts[i - 1][0]
             hi = min(tl, len(other))
             left = agree_from(text, other, min(floor, hi), hi)
-            self._walk(out, left - 1, i - 1, -1)  # in ids: the marker is not one
+            self._walk(out, left - 1, i - 1, -1, stop)  # in ids: the marker is not one
         if i < n:  # rightwards from the successor
             other = texts[i][0]
             hi = min(tl, len(other))
             right = agree_from(text, other, min(floor, hi), hi)
-            self._walk(out, right - 1, i, 1)
+            self._walk(out, right - 1, i, 1, stop)
         self._probe = (text, self._version, i, left, right)
         return out

@@ -396,8 +396,6 @@ class KvAwarePolicy:
         tree_unit = 1 if tokens else 1 / CHARS_PER_TOKEN
         tree_off = 1 if tokens else 0
         ids1 = one_char_per_id(key)  # for _pending_prefix / _shared_queued
-        # every target's queued prompts at once (pending.py); a target with an odd key scans its own
-        scanned = self.sorted_prompts.scan(ids1) if ids1 is not None and self.sorted_prompts.texts else None
         subs = self.subs
         if self.dp_aware:  # one target per DP rank
             targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url)]
@@ -433,7 +431,9 @@ class KvAwarePolicy:
         best_wait = 0.0
         band = self.balance_band
         rows = []  # each target's cost inputs; scored once all are known (the band needs their lowest)
-        for order, (w, rank, ranks) in enumerate(targets):
+        firsts = []  # each target's cached_tokens before its queued prompts are looked at, and what it needs then
+        stop = None  # the least of those among the targets the sorted scan covers
+        for w, rank, ranks in targets:
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
             tree_tokens = max(0, per_tenant.get(tenant, 0) - tree_off) * tree_unit
@@ -456,6 +456,19 @@ class KvAwarePolicy:
             cached = min(int(cached), cap)
             lk = (url, rank)
             pending_keys = queued_keys_of.get(lk) if tokens else None
+            if pending_keys and ids1 is not None and not pending_keys.odd and (stop is None or cached < stop):
+                stop = cached
+            firsts.append((w, rank, url, tenant, reason, branch, cached, lk, pending_keys))
+        # every covered target's queued prompts at once (pending.py); a target with an odd key scans its own.
+        # The scan walks only the prompts that share more than `stop` ids (at most the least cached_tokens
+        # of those targets and the least `cached` of the queued keys): the others overlap no queued part,
+        # and the longest prefix a target shares with them is at most its cached_tokens, which it then keeps
+        scanned = None
+        if stop is not None:
+            sorted_prompts = self.sorted_prompts
+            if sorted_prompts.texts:
+                scanned = sorted_prompts.scan(ids1, min(stop, sorted_prompts.cached[0]))
+        for order, (w, rank, url, tenant, reason, branch, cached, lk, pending_keys) in enumerate(firsts):
             agreed = None  # (longest shared prefix, pairs) from the one sorted scan, when it covers this target
             if pending_keys and scanned is not None and not pending_keys.odd:
                 agreed = scanned.get(lk, _NOTHING_SHARED)
