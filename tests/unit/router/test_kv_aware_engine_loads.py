@@ -200,6 +200,37 @@ def test_a_snapshot_taken_long_ago_is_stale_on_arrival():
     assert el.tokens(A, None, now + 0.1) == 500
 
 
+def test_figures_kept_between_changes_equal_the_figures_computed_afresh():
+    """figures() keeps each target's answer until the url's snapshot changes or a request ends or
+    finishes its prefill there; random puts, ends, prefills, forgets and clock steps on 2 workers of
+    2 ranks: at every step it answers what tokens() and queued() compute from scratch."""
+    import random
+
+    rng = random.Random(2)
+    for _ in range(200):
+        el = EngineLoads(1.0)
+        now = 1000.0
+        for _ in range(60):
+            url = rng.choice((A, B))
+            rank = rng.choice((None, 0, 1))
+            op = rng.random()
+            if op < 0.2:
+                waiting = {r: rng.randrange(300) for r in (0, 1)} if rng.random() < 0.7 else None
+                el.put(url, {r: rng.randrange(2000) for r in (0, 1)}, now, asked=now - rng.choice((0.0, 0.5)),
+                       taken=now - 0.3 if rng.random() < 0.5 else None, waiting=waiting)
+            elif op < 0.45:
+                el.ended(url, rank, sent=now - rng.choice((0.1, 1.0, 2.0)), tokens=rng.randrange(200), now=now)
+            elif op < 0.7:
+                el.prefilled(url, rank, sent=now - rng.choice((0.1, 1.0, 2.0)), tokens=rng.randrange(200), now=now)
+            elif op < 0.75:
+                el.forget(url)
+            else:
+                now += rng.choice((0.05, 0.5, 1.5))
+            for u in (A, B):
+                for r in (None, 0, 1):
+                    assert el.figures(u, r, now) == (el.tokens(u, r, now), el.queued(u, r, now))
+
+
 async def test_poll_reads_the_engines_timestamp_for_freshness(start_app):
     stamp = [time.time()]
 

@@ -112,6 +112,9 @@ class EngineLoads:
         self.waiting: dict[str, dict[int, int]] = {}  # url -> {dp_rank: uncached prompt tokens waiting}
         self._prefilled: dict[str, dict[int | None, int]] = {}  # url -> rank -> waiting tokens prefilled since
         self.pools: dict[str, dict[int, int]] = {}  # url -> {dp_rank: KV pool size in tokens}
+        # url -> rank or None -> figures() of the current snapshot while fresh; dropped with every change of
+        # the url's snapshot or of what this router saw end or prefill since (the policy asks per request)
+        self._figures: dict[str, dict[int | None, tuple[int | None, int | None]]] = {}
         self.polls = 0
         self.failures = 0
 
@@ -126,12 +129,22 @@ class EngineLoads:
         return self._fresh_less(self.snapshots.get(url), self.waiting.get(url), self._prefilled.get(url), rank, now)
 
     def figures(self, url: str, rank: int | None, now: float | None = None) -> tuple[int | None, int | None]:
-        """``(tokens(url, rank), queued(url, rank))`` with one snapshot lookup (the policy asks both per target)."""
+        """``(tokens(url, rank), queued(url, rank))`` with one snapshot lookup (the policy asks both per target);
+        computed once per snapshot and change of :meth:`ended` / :meth:`prefilled`, then only checked for age."""
         snap = self.snapshots.get(url)
         if snap is None:
             return None, None
-        return (self._fresh_less(snap, snap[1], self._ended.get(url), rank, now),
-                self._fresh_less(snap, self.waiting.get(url), self._prefilled.get(url), rank, now))
+        now = time.monotonic() if now is None else now
+        if now - snap[3] > STALE_INTERVALS * self.interval_s:
+            return None, None
+        memo = self._figures.get(url)
+        if memo is None:
+            memo = self._figures[url] = {}
+        got = memo.get(rank)
+        if got is None:
+            got = memo[rank] = (self._fresh_less(snap, snap[1], self._ended.get(url), rank, now),
+                                self._fresh_less(snap, self.waiting.get(url), self._prefilled.get(url), rank, now))
+        return got
 
     def _fresh_less(self, snap, per: dict | None, gone_per: dict | None, rank: int | None,
                     now: float | None) -> int | None:
@@ -169,6 +182,7 @@ class EngineLoads:
         ``waiting``: ``{dp_rank: num_waiting_uncached_tokens}`` when the engine reports it."""
         now = time.monotonic() if now is None else now
         self.snapshots[url] = (now, per_rank, now if asked is None else asked, now if taken is None else min(taken, now))
+        self._figures.pop(url, None)
         self._ended.pop(url, None)
         self._prefilled.pop(url, None)
         if waiting:
@@ -204,6 +218,7 @@ class EngineLoads:
         if tokens > 0 and url in self.waiting and self._counted(url, sent, now):
             per = self._prefilled.setdefault(url, {})
             per[rank] = per.get(rank, 0) + tokens
+            self._figures.pop(url, None)
 
     def ended(self, url: str, rank: int | None, sent: float, tokens: int, now: float | None = None) -> None:
         """A request of this router on ``url`` (``rank``; None: the worker chose) ended; it was sent at ``sent``.
@@ -217,9 +232,11 @@ class EngineLoads:
         if tokens > 0 and self._counted(url, sent, now):
             per = self._ended.setdefault(url, {})
             per[rank] = per.get(rank, 0) + tokens
+            self._figures.pop(url, None)
 
     def forget(self, url: str) -> None:
         self.snapshots.pop(url, None)
+        self._figures.pop(url, None)
         self._ended.pop(url, None)
         self._prefilled.pop(url, None)
         self.waiting.pop(url, None)
@@ -258,12 +275,14 @@ class EngineLoads:
             log.debug("kv loads: %s/v1/loads: %s", url, e)
             self.failures += 1
             self.snapshots.pop(url, None)
+            self._figures.pop(url, None)
             self._ended.pop(url, None)
             self.waiting.pop(url, None)
             return  # asked again at the next interval
         if per is None:  # the worker has no such endpoint (404, not JSON, no figures): ask again much later
             self.failures += 1
             self.snapshots.pop(url, None)
+            self._figures.pop(url, None)
             self._ended.pop(url, None)
             self.waiting.pop(url, None)
             self._missing[url] = time.monotonic()
