@@ -50,12 +50,9 @@ def agree_from(a, b, lo: int, hi: int) -> int:
 def one_char_per_id(key) -> str | None:
     """``key``'s ids text when it has one character per id after its marker, else None (also without ids).
     Two such texts compare as their ids do; their slices are copied and compared as memory, where
-    lists of ints are compared element by element."""
-    tokens = key.tokens
-    if not tokens:
-        return None
-    text = key.tree_text()
-    return text if len(text) == len(tokens) + 1 else None
+    lists of ints are compared element by element.  ``key``: a :class:`~.policy.RouteKey`, which keeps
+    the answer (its :meth:`~.policy.RouteKey.one_char_text`)."""
+    return key.one_char_text()
 
 
 class QueuedKeys:
@@ -64,7 +61,7 @@ class QueuedKeys:
     __slots__ = ("keys", "odd")
 
     def __init__(self) -> None:
-        self.keys: list = []
+        self.keys: dict = {}  # key -> None, in insertion order (RouteKeys hash by identity)
         self.odd = 0  # keys with token ids but no one-character-per-id text (not in SortedPrompts)
 
     def __iter__(self):
@@ -74,18 +71,14 @@ class QueuedKeys:
         return len(self.keys)
 
     def append(self, key) -> None:
-        self.keys.append(key)
+        """Add ``key`` last (it must not be in already)."""
+        self.keys[key] = None
         if key.tokens and one_char_per_id(key) is None:
             self.odd += 1
 
     def remove(self, key) -> bool:
         """Take ``key`` (this very object) out; False if it was not in."""
-        keys = self.keys
-        for i, k in enumerate(keys):
-            if k is key:
-                del keys[i]
-                break
-        else:
+        if self.keys.pop(key, 0) is not None:
             return False
         if key.tokens and one_char_per_id(key) is None:
             self.odd -= 1

@@ -110,7 +110,7 @@ class RouteKey:
     """One request's routing input and, after :meth:`KvAwarePolicy.select`, its decision."""
 
     __slots__ = ("text", "tokens", "prompt_tokens", "decode_tokens", "target", "rank", "branch", "cached",
-                 "charged", "queued", "reason", "tokenized", "_tree_text")
+                 "charged", "queued", "reason", "tokenized", "_tree_text", "_one_char")
 
     def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS):
         self.text = text
@@ -126,11 +126,28 @@ class RouteKey:
         self.reason = None  # why the branch is fallback whatever the stream's trust (TOKENIZER, TEXT), or None
         self.tokenized = False  # the ids came from the router's tokenizer (not the request's own ids)
         self._tree_text = None
+        self._one_char = None
 
     def tree_text(self) -> str:
         if self._tree_text is None:  # built once: select matches it and _record inserts it
-            self._tree_text = ids_text(self.tokens) if self.tokens else self.text
+            self._texts()
         return self._tree_text
+
+    def one_char_text(self) -> str | None:
+        """:meth:`tree_text` when it has one character per token id after its marker, else None (also
+        without ids): see :func:`.pending.one_char_per_id`."""
+        if self._tree_text is None:
+            self._texts()
+        return self._one_char
+
+    def _texts(self) -> None:
+        tokens = self.tokens
+        if tokens:
+            text = self._tree_text = ids_text(tokens)
+            if len(text) == len(tokens) + 1:
+                self._one_char = text
+        else:
+            self._tree_text = self.text
 
     def route_header(self) -> str:
         """The ``x-fleetserve-route`` value: ``target=URL; dp_rank=R|-; branch=B; cached_tokens=N; prompt_tokens=M``
