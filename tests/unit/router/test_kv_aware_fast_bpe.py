@@ -145,6 +145,46 @@ def test_prefix_blocks_are_reused_exactly_and_stay_bounded(smollm2):
     assert [off.encode(t) for t in texts] == [tok.encode(t).ids for t in texts] and off.blocks == {}
 
 
+def test_encode_chars_gives_the_ids_and_their_characters_from_the_blocks(smollm2):
+    """encode_chars: the ids of encode, and for a text that goes through the block chain whole (ASCII,
+    longer than a block, no added token) the ids as characters, joined from the blocks' own, first
+    seen or cached, with and without the special tokens; None for other texts.  The router's
+    tokenizer and kv_aware's prepare pass them on: a key's tree text is the ids' text form."""
+    import asyncio
+
+    from fleetserve.router.kv_events.policy import KvAwarePolicy
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+    from fleetserve.router.routing_text import ids_text
+
+    tok, spec, _ = smollm2
+    fast = ByteLevelBPE.from_tokenizer(tok, spec)
+    rng = random.Random(5)
+    words = "the of and to router cache prefix token worker 42 3.14 don't (x) [context 3]\n a\tb  c".split(" ")
+    preamble = " ".join(rng.choices(words, k=120))
+    texts = [preamble + " " + " ".join(rng.choices(words, k=rng.randint(1, 200))) for _ in range(10)]
+    texts += ["short text", "x" * (20 * BLOCK_CHARS), preamble + " 你好", preamble + "<|im_start|>" + preamble]
+    for text in texts * 2:
+        for special in (True, False):
+            ids, chars = fast.encode_chars(text, special)
+            assert ids == tok.encode(text, add_special_tokens=special).ids
+            through_blocks = text.isascii() and len(text) > BLOCK_CHARS and "<|" not in text
+            assert (chars is not None) == through_blocks, text[:40]
+            if chars is not None:
+                assert chars == "".join(map(chr, ids))
+    rt = RouterTokenizer(tokenizer_cache_dir(default_model_path()))
+    for body in ({"prompt": texts[0]}, {"prompt": [texts[1]]}, {"prompt": "hi"}, {"prompt": [1, 2, 3]}):
+        ids, chars = rt.request_ids_chars("/v1/completions", body)
+        assert ids == rt.request_ids("/v1/completions", body)
+        assert chars is None or chars == "".join(map(chr, ids))
+    policy = KvAwarePolicy(tokenizer=rt)
+    try:
+        for text in texts[:3]:
+            key = asyncio.run(policy.prepare("/v1/completions", {"prompt": text}, text))
+            assert key._chars is not None and key.tree_text() == ids_text(key.tokens)
+    finally:
+        policy.close()
+
+
 def test_no_segments_finds_every_whitespace_before_a_space():
     for ws in " \t\n\r\x0b\x0c":
         assert _no_segments("abc" + ws + " d") and _no_segments(ws + " ")

@@ -27,7 +27,9 @@ it does the same steps itself:
    blocks were seen before (a shared system prompt, document or few-shot
    preamble, a conversation's earlier turns) gets their ids in one dict look-up
    per block and encodes only the rest (:meth:`ByteLevelBPE._blocks`; at most
-   ``max_blocks`` blocks, the cache is emptied when full);
+   ``max_blocks`` blocks, the cache is emptied when full).  Each block also keeps its ids
+   as characters (``chr(id)`` each), so :meth:`ByteLevelBPE.encode_chars` gives a text
+   made of blocks the ids' character form (``routing_text.ids_text``'s) by joining strings;
 5. add the post-processor's constant special tokens when asked.
 
 Exactness: :meth:`ByteLevelBPE.from_tokenizer` returns None (the caller then
@@ -137,12 +139,14 @@ class ByteLevelBPE:
                             if added else None)
         self.added_firsts = tuple(sorted({t[0] for t in added}))  # the first characters of the added tokens
         self.pre, self.post = pre, post
+        self.pre_chars, self.post_chars = _as_chars(pre), _as_chars(post)
         self.max_words = max_words
         self.words: dict[str, list[int]] = {}  # regex piece -> its BPE ids
         self.segments: dict[str, list[int]] = {}  # ASCII chunk ("word,") -> ids of " word," (see _segments)
         self.heads: dict[str, list[int]] = {}  # ASCII chunk that starts a text -> its ids
         self.max_blocks = max_blocks
-        self.blocks: dict[tuple[int, str], tuple[int, list[int]]] = {}  # (parent node, block) -> (node, ids)
+        # (parent node, block) -> (node, ids, the ids as characters or None: _as_chars)
+        self.blocks: dict[tuple[int, str], tuple[int, list[int], str | None]] = {}
         self._nodes = count(1)  # block node ids (0: a text's start); next() on a count is atomic under the GIL
         self.block_hits = self.block_misses = 0
         self.fallbacks = 0  # texts the library encoded because the pieces did not cover them
@@ -204,6 +208,23 @@ class ByteLevelBPE:
             out += self.post
         return out
 
+    def encode_chars(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], str | None]:
+        """``(encode(text, add_special_tokens), chars)``: ``chars`` is ``"".join(map(chr, ids))`` joined from
+        the blocks' own (step 4 of the module docstring) when the whole text went through the block chain,
+        else None (the caller converts the ids itself where it needs them)."""
+        if (self.ascii_split is None or not self.max_blocks or len(text) <= BLOCK_CHARS or not text.isascii()
+                or (self.added_split is not None and any(map(text.__contains__, self.added_firsts)))):
+            return self.encode(text, add_special_tokens), None  # not (only) the block chain: see encode / _plain
+        out = list(self.pre) if add_special_tokens else []
+        pieces = [self.pre_chars] if add_special_tokens else []
+        if not self._blocks(text, out, pieces):
+            self.fallbacks += 1
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, None
+        if add_special_tokens:
+            out += self.post
+            pieces.append(self.post_chars)
+        return out, None if None in pieces else "".join(pieces)
+
     def _plain(self, text: str, out: list[int]) -> bool:
         """Append the ids of ``text`` (no added tokens in it) to ``out``; False when the split misses a character."""
         if self.ascii_split is not None and text.isascii():
@@ -213,7 +234,7 @@ class ByteLevelBPE:
                 return self._segments(text, out)
         return self._pieces(text, out)
 
-    def _blocks(self, text: str, out: list[int]) -> bool:
+    def _blocks(self, text: str, out: list[int], chars: list | None = None) -> bool:
         """ASCII text under the GPT-2 pattern, as a chain of cached blocks (step 4 of the module docstring).
 
         A block ends before the first space at least :data:`BLOCK_CHARS` characters into it whose
@@ -222,6 +243,8 @@ class ByteLevelBPE:
         last block runs to the end.  A block's cache key is (the node id of the block chain before
         it, its text): node ids are unique (a counter), so a hit means the whole text up to the
         block's end was seen, and the match is exact (dict keys compare the text itself).
+        ``chars``: a list to append each block's ids as characters to (None where they are not all
+        characters), when given.
         """
         blocks = self.blocks
         n = len(text)
@@ -235,22 +258,25 @@ class ByteLevelBPE:
             block = text[start:cut]
             hit = blocks.get((node, block)) if node >= 0 else None
             if hit is not None:
-                node, ids = hit
+                node, ids, piece = hit
                 self.block_hits += 1
             else:
                 self.block_misses += 1
                 ids = []
                 if not (self._pieces(block, ids) if _no_segments(block) else self._segments(block, ids)):
                     return False
+                piece = _as_chars(ids)
                 if node >= 0 and cut - start <= _BLOCK_MAX_CHARS:
                     if len(blocks) >= self.max_blocks:
                         blocks.clear()  # the node ids in hand stay unique: later look-ups of them just miss
                     child = next(self._nodes)
-                    blocks[(node, block)] = (child, ids)
+                    blocks[(node, block)] = (child, ids, piece)
                     node = child
                 else:
                     node = -1  # a block not remembered: the rest of the text is encoded but not remembered
             out += ids
+            if chars is not None:
+                chars.append(piece)
             start = cut
         return True
 
@@ -311,6 +337,14 @@ class ByteLevelBPE:
                 words[piece] = ids
             out += ids
         return True
+
+
+def _as_chars(ids: list[int]) -> str | None:
+    """The ids as one character each (``chr(id)``); None when one is no code point (past 0x10FFFF)."""
+    try:
+        return "".join(map(chr, ids))
+    except (ValueError, OverflowError, TypeError):
+        return None
 
 
 def _post_tokens(tokenizer) -> tuple[list[int], list[int]]:

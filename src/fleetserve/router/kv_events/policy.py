@@ -110,11 +110,15 @@ class RouteKey:
     """One request's routing input and, after :meth:`KvAwarePolicy.select`, its decision."""
 
     __slots__ = ("text", "tokens", "prompt_tokens", "decode_tokens", "target", "rank", "branch", "cached",
-                 "charged", "queued", "reason", "tokenized", "_tree_text", "_one_char")
+                 "charged", "queued", "reason", "tokenized", "_tree_text", "_one_char", "_chars")
 
-    def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS):
+    def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS,
+                 chars: str | None = None):
+        """``chars``: ``tokens`` as one character each (``"".join(map(chr, tokens))``) when the caller has
+        them at hand (:meth:`.tokenize.RouterTokenizer.request_ids_chars`), for :meth:`tree_text`."""
         self.text = text
         self.tokens = tokens
+        self._chars = chars
         self.prompt_tokens = len(tokens) if tokens is not None else math.ceil(len(text) / CHARS_PER_TOKEN)
         self.decode_tokens = decode_tokens
         self.target = None  # (worker_url, rank or None)
@@ -143,7 +147,7 @@ class RouteKey:
     def _texts(self) -> None:
         tokens = self.tokens
         if tokens:
-            text = self._tree_text = ids_text(tokens)
+            text = self._tree_text = ids_text(tokens, self._chars)
             if len(text) == len(tokens) + 1:
                 self._one_char = text
         else:
@@ -369,10 +373,11 @@ class KvAwarePolicy:
         """Token ids of the request (inline when short, else on a worker thread: tokenize.py), as a RouteKey."""
         tokens = request_ids_without_tokenizer(path, body)
         tokenized = False
+        chars = None  # the ids as characters, when the fast encoder joined them from its cached blocks
         if tokens is None and self.tokenizer is not None:
             try:
                 if self.tokenizer.inline(path, body):  # short enough to cost less than a thread hand-off
-                    tokens = self.tokenizer.request_ids(path, body)
+                    tokens, chars = self.tokenizer.request_ids_chars(path, body)
                 else:
                     tokens = await asyncio.get_running_loop().run_in_executor(
                         self._pool, self.tokenizer.request_ids, path, body)
@@ -380,7 +385,7 @@ class KvAwarePolicy:
             except Exception as e:  # a tokenizer failure must not fail the request: route on the text
                 log.warning("kv_aware: tokenization failed (%s: %s); routing on the text", type(e).__name__, e)
                 tokens = None
-        key = RouteKey(text, tokens, decode_budget(body))
+        key = RouteKey(text, tokens, decode_budget(body), chars)
         key.tokenized = tokenized
         return key
 

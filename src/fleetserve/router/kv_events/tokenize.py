@@ -124,6 +124,14 @@ class RouterTokenizer:
                 self.l0[(text, add_special_tokens)] = tuple(ids)
         return ids
 
+    def encode_chars(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], str | None]:
+        """``(encode(text, add_special_tokens), chars)``: ``chars``, the ids as one character each
+        (``"".join(map(chr, ids))``), when the fast encoder had them at hand (its cached prefix blocks:
+        :meth:`.fast_bpe.ByteLevelBPE.encode_chars`), else None."""
+        if self.fast is None or self.l0_max_entries:
+            return self.encode(text, add_special_tokens), None
+        return self.fast.encode_chars(text, add_special_tokens)
+
     def render_chat(self, messages: list, tools=None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, extra: dict | None = None) -> str:
         """The chat template applied to ``messages``; raises ``ValueError`` without a template or on a misfit."""
@@ -168,31 +176,36 @@ class RouterTokenizer:
 
     def request_ids(self, path: str, body: dict) -> list[int] | None:
         """Token ids of one request body (see the module docstring); None when it has none to give."""
+        return self.request_ids_chars(path, body)[0]
+
+    def request_ids_chars(self, path: str, body: dict) -> tuple[list[int] | None, str | None]:
+        """``(request_ids(path, body), chars)``, ``chars`` as :meth:`encode_chars` gives them (None
+        where the ids were not encoded here or the encoder did not have them at hand)."""
         try:
             if path == "/v1/chat/completions":
                 msgs = body.get("messages")
                 if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-                    return None
+                    return None, None
                 extra = body.get("chat_template_kwargs")
                 text = self.render_chat(msgs, body.get("tools"), body.get("add_generation_prompt", True) is not False,
                                         body.get("continue_final_message") is True,
                                         extra if isinstance(extra, dict) else None)
-                return self.encode(text, add_special_tokens=False)
+                return self.encode_chars(text, add_special_tokens=False)
             prompt = body.get("prompt") if path == "/v1/completions" else (
                 body.get("input_ids") if body.get("input_ids") is not None else body.get("text"))
             if isinstance(prompt, str):
-                return self.encode(prompt)
+                return self.encode_chars(prompt)
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-                return prompt
+                return prompt, None
             if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one
                 p = prompt[0]
                 if isinstance(p, str):
-                    return self.encode(p)
+                    return self.encode_chars(p)
                 if isinstance(p, list) and p and all(type(t) is int for t in p):
-                    return p
+                    return p, None
         except ValueError:
-            return None
-        return None
+            return None, None
+        return None, None
 
 
 def request_ids_without_tokenizer(path: str, body: dict) -> list[int] | None:
