@@ -74,6 +74,10 @@ class RadixTree:
         self._clock = itertools.count(1)
         self._sizes: dict[str, int] = {}
         self._total = 0
+        self._shape = 0  # changes whenever a node is added, split or unlinked
+        # the last match_per_tenant: (text, _shape then, the nodes it matched whole, in path order);
+        # an insert of that very text while the shape is unchanged starts below them
+        self._walked: tuple[str, int, list] | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -100,12 +104,21 @@ class RadixTree:
         node = self._root
         pos = 0
         n = len(text)
+        walked = self._walked
+        if walked is not None and walked[0] is text and walked[1] == self._shape:
+            for child in walked[2]:  # as the loop below would take them: each whole edge, from the root
+                if tenant not in child.tenants:
+                    added += len(child.text)
+                child.tenants[tenant] = now
+                pos += len(child.text)
+                node = child
         while pos < n:
             child = node.children.get(text[pos])
             if child is None:
                 leaf = _Node(text[pos:], node)
                 leaf.tenants[tenant] = now
                 node.children[text[pos]] = leaf
+                self._shape += 1
                 added += n - pos
                 break
             edge = child.text
@@ -123,9 +136,9 @@ class RadixTree:
         elif tenant not in sizes:
             sizes[tenant] = 0
 
-    @staticmethod
-    def _split(node: _Node, k: int) -> _Node:
+    def _split(self, node: _Node, k: int) -> _Node:
         """Split ``node`` after ``k`` chars; return the new upper node (same tenants)."""
+        self._shape += 1
         parent = node.parent
         upper = _Node(node.text[:k], parent)
         upper.tenants = dict(node.tenants)
@@ -193,12 +206,15 @@ class RadixTree:
 
         One walk down ``text``'s path: a tenant's match ends at the deepest node
         on the path it still holds (a child's tenants are a subset of its
-        parent's). Cost: path length x tenants per node.
+        parent's). Cost: path length x tenants per node.  The nodes matched whole
+        are remembered, so that an :meth:`insert` of this very ``text`` object
+        next (kv_aware matches a prompt, then records it) does not walk them again.
         """
         node = self._root
         pos = 0
         n = len(text)
         out: dict[str, int] = {}
+        path = []
         while pos < n:
             child = node.children.get(text[pos])
             if child is None:
@@ -210,7 +226,9 @@ class RadixTree:
                 out[t] = pos
             if not full:
                 break
+            path.append(child)
             node = child
+        self._walked = (text, self._shape, path)
         return out
 
     # ---------------------------------------------------------------- removal
@@ -223,6 +241,7 @@ class RadixTree:
         if not node.tenants:
             del node.parent.children[node.text[0]]
             node.parent = None
+            self._shape += 1
 
     def _nodes(self):
         stack = list(self._root.children.values())
@@ -239,6 +258,7 @@ class RadixTree:
                 if not node.tenants and node.parent is not None:
                     del node.parent.children[node.text[0]]
                     node.parent = None
+                    self._shape += 1
         self._root.tenants.pop(tenant, None)
         self._total -= self._sizes.pop(tenant, 0)
 

@@ -171,3 +171,49 @@ def test_remove_tenant_keeps_the_others():
     assert tree.tenant_size("a") == 0
     assert tree.match("shared prefix one") == (14, {"b": tree.match("shared prefix one")[1]["b"]})
     assert tree.total_size == len("shared prefix two")
+
+
+def test_an_insert_after_a_match_of_the_same_text_starts_below_its_path_with_the_same_result():
+    """match_per_tenant remembers the nodes it matched whole; insert of that very text object starts
+    below them while the tree's shape is unchanged.  Random matches, inserts (of the matched text
+    and of others), evictions and tenant removals on two trees, one whose inserts never follow a
+    match: the same sizes, prefixes, matches and clocks."""
+    import random
+
+    rng = random.Random(4)
+    for _ in range(300):
+        fast, plain = RadixTree(), RadixTree()
+        texts = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 12))) for _ in range(8)]
+        for _ in range(40):
+            op = rng.random()
+            tenant = rng.choice(["w0", "w1", "w2"])
+            if op < 0.6:
+                text = "".join(rng.choice(texts))  # a new object each time: only `is` picks the path
+                assert fast.match_per_tenant(text) == plain.match_per_tenant(text)
+                if rng.random() < 0.3:  # something else changes the tree in between
+                    other = rng.choice(texts)
+                    other = other[:rng.randint(1, len(other))] + rng.choice(["", "z"])  # may split an edge only
+                    fast.insert(other, tenant)
+                    plain.insert(other, tenant)
+                if rng.random() < 0.1:
+                    n = rng.randint(0, fast.total_size)
+                    assert fast.evict(n) == plain.evict(n)
+                if rng.random() < 0.2:
+                    text = "".join(text)  # an equal text, another object: the walk from the root
+                plain._walked = None  # the reference inserts from the root
+                fast.insert(text, tenant)
+                plain.insert(text, tenant)
+            elif op < 0.8:
+                n = rng.randint(0, max(0, fast.total_size))
+                assert fast.evict(n) == plain.evict(n)
+            elif op < 0.85:
+                fast.remove_tenant(tenant)
+                plain.remove_tenant(tenant)
+            else:
+                text = rng.choice(texts)
+                fast.insert(text, tenant)
+                plain.insert(text, tenant)
+            for t in ("w0", "w1", "w2"):
+                assert fast.tenant_prefixes(t) == plain.tenant_prefixes(t)
+            assert fast.tenant_sizes() == plain.tenant_sizes() == fast.recount()
+            assert fast.total_size == plain.total_size
