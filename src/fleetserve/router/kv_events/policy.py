@@ -477,10 +477,13 @@ class KvAwarePolicy:
                         cached, branch = c, state
             cached = min(int(cached), cap)
             lk = (url, rank)
-            pending_keys = queued_keys_of.get(lk) if tokens else None
-            if pending_keys and ids1 is not None and not pending_keys.odd and (stop is None or cached < stop):
+            pending_keys = queued_keys_of.get(lk) if tokens else None  # its QueuedKeys, None when it has none
+            if pending_keys is not None and not pending_keys.keys:
+                pending_keys = None
+            covered = pending_keys is not None and ids1 is not None and not pending_keys.odd  # by the sorted scan
+            if covered and (stop is None or cached < stop):
                 stop = cached
-            firsts.append((w, rank, url, tenant, reason, branch, cached, lk, pending_keys))
+            firsts.append((w, rank, url, tenant, reason, branch, cached, lk, pending_keys, covered))
         # every covered target's queued prompts at once (pending.py); a target with an odd key scans its own.
         # The scan walks only the prompts that share more than `stop` ids (at most the least cached_tokens
         # of those targets and the least `cached` of the queued keys): the others overlap no queued part,
@@ -490,11 +493,11 @@ class KvAwarePolicy:
             sorted_prompts = self.sorted_prompts
             if sorted_prompts.texts:
                 scanned = sorted_prompts.scan(ids1, min(stop, sorted_prompts.cached[0]))
-        for order, (w, rank, url, tenant, reason, branch, cached, lk, pending_keys) in enumerate(firsts):
+        for order, (w, rank, url, tenant, reason, branch, cached, lk, pending_keys, covered) in enumerate(firsts):
             agreed = None  # (longest shared prefix, pairs) from the one sorted scan, when it covers this target
-            if pending_keys and scanned is not None and not pending_keys.odd:
+            if covered and scanned is not None:
                 agreed = scanned.get(lk, _NOTHING_SHARED)
-            if pending_keys and cached < cap:  # a prefix still in prefill there: no event yet, but it will be held
+            if pending_keys is not None and cached < cap:  # a prefix still in prefill there: no event yet, but it will be held
                 if agreed is not None:
                     pending = min(cap, len(tokens), agreed[0])
                 else:
