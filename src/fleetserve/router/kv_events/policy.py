@@ -458,7 +458,8 @@ class KvAwarePolicy:
         for w, rank, ranks in targets:
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
-            tree_tokens = max(0, per_tenant.get(tenant, 0) - tree_off) * tree_unit
+            tree_tokens = per_tenant.get(tenant, 0) - tree_off
+            tree_tokens = (tree_tokens if tree_tokens > 0 else 0) * tree_unit
             reason = TEXT if not tokens else TOKENIZER if suspects and check.mismatched(url) else None
             wsubs = subs.get(url) if subs else None
             if reason is not None or not wsubs:  # no usable KV-event stream: the approximate tree
@@ -475,7 +476,10 @@ class KvAwarePolicy:
                         c = ev if state == EXACT else max(ev, tree_tokens)
                     if c > cached:
                         cached, branch = c, state
-            cached = min(int(cached), cap)
+            if type(cached) is not int:  # characters / 4 on a text prompt
+                cached = int(cached)
+            if cached > cap:
+                cached = cap
             lk = (url, rank)
             pending_keys = queued_keys_of.get(lk) if tokens else None  # its QueuedKeys, None when it has none
             if pending_keys is not None and not pending_keys.keys:
@@ -527,7 +531,7 @@ class KvAwarePolicy:
                         shared += (a if a < cached else cached) - lo if lo < cached else 0
                 else:
                     shared = _shared_queued(tokens, cached, queued_keys_of.get(lk, ()), ids1)
-                queued = max(0, queued - shared)
+                queued = queued - shared if queued > shared else 0
             uncached = prompt_tokens - cached
             extra = 0.0
             if engine_loads is not None and overflow_weight:  # KV that does not fit waits: see _overflow
@@ -541,9 +545,13 @@ class KvAwarePolicy:
         if band and len(rows) > 1:  # the balance terms count only the excess over the band (balance_floor)
             q_floor = balance_floor([r[1] for r in rows], band)
             l_floor = balance_floor([r[2] for r in rows], band)
+        floors = q_floor or l_floor
         for uncached, queued, load, extra, reqs, lk, order, w, rank, branch, cached, reason, tenant, mine, seen in rows:
-            cost = (prefill_weight * uncached + queue_weight * max(0.0, queued - q_floor)
-                    + load_weight * max(0.0, load - l_floor) + extra)
+            if floors:
+                cost = (prefill_weight * uncached + queue_weight * max(0.0, queued - q_floor)
+                        + load_weight * max(0.0, load - l_floor) + extra)
+            else:  # the same figure: queued and load are never negative
+                cost = prefill_weight * uncached + queue_weight * queued + load_weight * load + extra
             if terms is not None:
                 terms.append(f"{tenant} {branch} cached={cached} queued={queued} load={load} (router {mine}, "
                              f"engine {'-' if seen is None else seen}) reqs={reqs} cost={cost:.1f}")
