@@ -201,6 +201,11 @@ class EngineLoads:
         cut = snap[2] if snap[3] == snap[0] else snap[3]  # taken, when the engine said; else asked
         return sent < cut and now >= snap[0]
 
+    def counts(self, url: str, sent: float) -> bool:
+        """Whether a request sent to ``url`` at ``sent`` that ends now is in the current snapshot's figures
+        (so that :meth:`ended` would take it off)."""
+        return self._counted(url, sent, None)
+
     def counts_from(self, url: str) -> float | None:
         """The monotonic time before which a request sent to ``url`` is in its current snapshot's
         figures (when the engine took them; when they were asked for, without ``timestamp``); None

@@ -14,7 +14,13 @@
   gauge (``dynamo_frontend_worker_active_prefill_tokens{worker_id,dp_rank,...}``) under our
   prefix; ``dp_rank`` is ``-`` for a whole worker (no ``--dp-aware``: the worker picks the rank,
   as in the route header). Every target chosen since its worker was added is listed, 0 when idle.
-* ``engine_load_tokens{worker,dp_rank}``: the engines' fresh ``/v1/loads`` ``num_total_tokens``.
+* ``engine_load_tokens{worker,dp_rank}``: the engines' fresh ``/v1/loads`` ``num_total_tokens``
+  (less the prompts of this router's requests that ended since the snapshot), as the engine counts:
+  the cached prefixes of this router's requests included.
+* ``cost_load_tokens{worker,dp_rank}``: the load term the cost uses per target (``dp_rank`` ``-``
+  for a whole worker): the larger of ``load_tokens`` and the engine's figure in the router's
+  units (without those cached prefixes, each shared page once: :meth:`.policy.KvAwarePolicy.load_term`).
+  Listed for every target chosen since its worker was added.
 * ``tokenizer_mismatch{worker}``: 1 while the worker counts other prompt tokens than the
   router's tokenizer (routed ``fallback``, reason ``tokenizer``; :mod:`.tokenizer_check`).
 * ``prompt_token_checks_total{worker,result}``: answers whose prompt count ``agreed`` /
@@ -82,6 +88,16 @@ def families(policy):
                 if n is not None:
                     eng.add_metric([url, str(rank)], n)
         yield eng
+    cost = GaugeMetricFamily(_P + "cost_load_tokens", "Load tokens the kv_aware cost uses per target: the "
+                             "larger of the router's in-flight tokens and the engine's fresh figure without the "
+                             "cached prefixes of the router's requests", labels=["worker", "dp_rank"])
+    for url, rank in sorted({*policy.chosen_at, *policy.load_tokens}, key=_target_order):
+        cost.add_metric([url, "-" if rank is None else str(rank)], policy.load_term(url, rank))
+    yield cost
+
+
+def _target_order(lk):
+    return lk[0], -1 if lk[1] is None else lk[1]
 
 
 def queued_prefill_family(policy) -> GaugeMetricFamily:
@@ -89,6 +105,6 @@ def queued_prefill_family(policy) -> GaugeMetricFamily:
     fam = GaugeMetricFamily(_P + "worker_active_prefill_tokens", "Uncached prompt tokens routed to the target "
                             "whose prefill has not ended (no first answer byte yet)", labels=["worker", "dp_rank"])
     queued = dict(policy.queued_tokens)
-    for url, rank in sorted({*policy.chosen_at, *queued}, key=lambda lk: (lk[0], -1 if lk[1] is None else lk[1])):
+    for url, rank in sorted({*policy.chosen_at, *queued}, key=_target_order):
         fam.add_metric([url, "-" if rank is None else str(rank)], queued.get((url, rank), 0))
     return fam

@@ -88,6 +88,7 @@ from ..radix_tree import RadixTree
 from ..route_header import CHARS_PER_TOKEN, HEADER, format_route
 from ..routing_text import ids_text
 from .index import BlockIndex
+from .held import HeldPrefixes
 from .pending import QueuedKeys, SortedPrompts, agree_from as _agree_from, one_char_per_id
 from .subscriber import DEGRADED, EXACT, FALLBACK
 from .tokenize import RouterTokenizer, request_ids_without_tokenizer
@@ -259,10 +260,10 @@ def _pending_prefix(tokens: list[int], limit: int, queued_keys, text: str | None
     return best
 
 
-def _held_cached(keys, counts_from: float | None, total: int | None = None) -> int:
-    """Cached prompt tokens (``cached_tokens`` at their decision) of this router's in-flight requests
-    ``keys`` on a target that its engine snapshot counts (sent before ``counts_from``, :meth:`.loads.
-    EngineLoads.counts_from`).
+def _held_cached(held: HeldPrefixes, counts_from: float | None) -> int:
+    """Cached prompt tokens (``cached_tokens`` at their decision) of this router's in-flight requests on
+    a target (``held``) that its engine snapshot counts (sent before ``counts_from``, :meth:`.loads.
+    EngineLoads.counts_from`; None: no snapshot, 0).
 
     The engine's ``num_total_tokens`` counts a request's whole prompt (a waiting one its length, a
     running one the KV it holds, cached prefix included), the router's load only what the request
@@ -271,23 +272,11 @@ def _held_cached(keys, counts_from: float | None, total: int | None = None) -> i
     the more loaded it looks, and under direct traffic (which keeps the engine's figure fresh and
     above the router's) conversations were pushed off their own cache (docs/router.md, the load
     term and the engines' loads).  Taking these tokens off puts the engine's figure in the
-    router's units; what is left over the router's count is traffic it did not send.  Requests that
-    share a cached prefix on a running batch are held once by the engine and taken off once each
-    here, so with such sharing the figure errs low (never below 0; the router's count still holds).
-
-    ``keys``: in the order they were sent (``KvAwarePolicy.inflight_keys`` keeps them so); ``total``:
-    their summed ``cached`` when the caller keeps it, so that only the requests sent since the
-    snapshot are looked at (walked from the newest).
+    router's units; what is left over the router's count is traffic it did not send.  Running
+    requests that share a cached prefix hold it once, so their part is the union of their prefixes,
+    waiting ones count each (:mod:`.held`).
     """
-    if counts_from is None:
-        return 0
-    if total is None:
-        total = sum(k.cached for k in keys)
-    for k in reversed(keys):
-        if k.charged[2] < counts_from:
-            break
-        total -= k.cached
-    return total
+    return held.counted(counts_from)
 
 
 def idle_rule(best_wait: float, idle_wait: float, abs_threshold: float, rel_threshold: float) -> bool:
@@ -360,8 +349,7 @@ class KvAwarePolicy:
         self.queued_keys: dict = {}  # (url, rank or None) -> the RouteKeys counted in queued_tokens
         self.sorted_prompts = SortedPrompts()  # the same keys' prompts, all targets in one sorted list
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
-        self.inflight_keys: dict = {}  # (url, rank or None) -> {RouteKey: None}, the requests counted in load_tokens
-        self.held_tokens: dict = {}  # (url, rank or None) -> their summed cached_tokens (see _held_cached)
+        self.held: dict = {}  # (url, rank or None) -> HeldPrefixes: its in-flight requests with cached tokens
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
         self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
         self.tokenizer_check = TokenizerCheck()
@@ -436,7 +424,7 @@ class KvAwarePolicy:
         engine_loads = self.engine_loads
         now = time.monotonic() if engine_loads is not None else 0.0
         load_tokens, inflight, queued_tokens = self.load_tokens, self.inflight, self.queued_tokens
-        inflight_keys, held_tokens = self.inflight_keys, self.held_tokens
+        held_of = self.held
         prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
         decode_tokens = key.decode_tokens
         overflow_weight = prefill_weight * self.overflow_weight
@@ -517,9 +505,9 @@ class KvAwarePolicy:
             if engine_loads is not None:  # the engine's own figures, while fresh (loads.py)
                 seen, waiting = engine_loads.figures(url, rank, now)
                 if seen is not None and seen > load:
-                    held = held_tokens.get(lk)
-                    if held:  # in the router's units: without the cached prefixes of its requests it counts
-                        seen = max(0, seen - _held_cached(inflight_keys[lk], engine_loads.counts_from(url), held))
+                    held = held_of.get(lk)
+                    if held is not None:  # in the router's units: without the cached prefixes of its requests it counts
+                        seen = max(0, seen - _held_cached(held, engine_loads.counts_from(url)))
                     if seen > load:
                         load = seen
                 if queue_weight and waiting is not None and waiting > queued:  # its prefill work ahead
@@ -580,6 +568,24 @@ class KvAwarePolicy:
         key.reason = reason
         self._record(w.url, rank, key)
         return w
+
+    def load_term(self, url: str, rank: int | None, now: float | None = None) -> int:
+        """The ``load_tokens(t)`` the cost uses for the target now: this router's in-flight tokens there,
+        or while the engine's ``/v1/loads`` figure is fresh and higher, that figure less the cached
+        prefixes of this router's requests it counts (:func:`_held_cached`), whichever is larger.
+        The same figure as in ``_choose`` (for ``/metrics``; the hot path keeps its own copy)."""
+        lk = (url, rank)
+        load = self.load_tokens.get(lk, 0)
+        engine_loads = self.engine_loads
+        if engine_loads is not None:
+            seen = engine_loads.figures(url, rank, time.monotonic() if now is None else now)[0]
+            if seen is not None and seen > load:
+                held = self.held.get(lk)
+                if held is not None:
+                    seen = max(0, seen - _held_cached(held, engine_loads.counts_from(url)))
+                if seen > load:
+                    load = seen
+        return load
 
     def _block_size(self, url: str, rank: int | None) -> int:
         """The target's page size from its events (a whole worker: its ranks' largest); 1 when unknown."""
@@ -652,12 +658,14 @@ class KvAwarePolicy:
         n = key.prompt_tokens - key.cached + key.decode_tokens  # the KV it adds there: shared pages count once
         self.load_tokens[lk] = self.load_tokens.get(lk, 0) + n
         self.inflight[lk] = self.inflight.get(lk, 0) + 1
-        self.inflight_keys.setdefault(lk, {})[key] = None  # in the order sent (a retry is re-added last)
-        if key.cached:
-            self.held_tokens[lk] = self.held_tokens.get(lk, 0) + key.cached
         key.charged = (lk, n, time.monotonic())
         q = key.prompt_tokens - key.cached  # its own prefill: queued ahead of the next request until it ends
         key.queued = q
+        if key.cached:  # in the order sent (a retry is re-added last)
+            held = self.held.get(lk)
+            if held is None:
+                held = self.held[lk] = HeldPrefixes(self._block_size(url, rank))
+            held.add(key)
         if q > 0:
             self.queued_tokens[lk] = self.queued_tokens.get(lk, 0) + q
             keys = self.queued_keys.get(lk)
@@ -696,6 +704,10 @@ class KvAwarePolicy:
             if not keys:
                 del self.queued_keys[lk]
         self.sorted_prompts.remove(key)
+        if key.cached:
+            held = self.held.get(lk)
+            if held is not None:
+                held.prefilled(key)
         if self.engine_loads is not None:  # a snapshot that counted it as waiting must not count it still
             self.engine_loads.prefilled(lk[0], lk[1], sent, q)
         return True
@@ -722,8 +734,18 @@ class KvAwarePolicy:
         self._end_prefill(key)  # a non-streamed answer (or a failed attempt): its prefill is over too
         lk, n, sent = key.charged
         key.charged = None
-        if self.engine_loads is not None:  # a snapshot that still counts it must not count it twice
-            self.engine_loads.ended(lk[0], lk[1], sent, key.prompt_tokens)
+        engine_loads = self.engine_loads
+        shared = 0  # its cached tokens other running requests there still hold: the engine frees them not
+        held = self.held.get(lk) if key.cached else None
+        if held is not None:  # what the engine frees of its cached prefix, when a snapshot counts it
+            counted = engine_loads is not None and engine_loads.counts(lk[0], sent)
+            freed = held.remove(key, counted)
+            if counted and freed < key.cached:
+                shared = key.cached - freed
+            if not held:
+                del self.held[lk]
+        if engine_loads is not None:  # a snapshot that still counts it must not count it twice
+            engine_loads.ended(lk[0], lk[1], sent, key.prompt_tokens - shared)
         left = self.load_tokens.get(lk, 0) - n
         if left > 0:
             self.load_tokens[lk] = left
@@ -734,16 +756,6 @@ class KvAwarePolicy:
             self.inflight[lk] = reqs
         else:
             self.inflight.pop(lk, None)
-        held = self.inflight_keys.get(lk)
-        if held is not None and held.pop(key, 0) is None:
-            if not held:
-                del self.inflight_keys[lk]
-            if key.cached:
-                left = self.held_tokens.get(lk, 0) - key.cached
-                if left > 0:
-                    self.held_tokens[lk] = left
-                else:
-                    self.held_tokens.pop(lk, None)
 
     # ------------------------------------------------------------ workers
     def on_worker_removed(self, url: str) -> None:

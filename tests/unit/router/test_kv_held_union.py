@@ -1,0 +1,78 @@
+"""held.union_of_prefixes: the tokens an engine holds for the cached prefixes of running requests,
+each shared page once (the trie's node count), against a brute-force count of distinct prefixes."""
+
+from hypothesis import given, settings, strategies as st
+
+from fleetserve.router.kv_events.held import HeldPrefixes, union_of_prefixes
+from fleetserve.router.kv_events.policy import RouteKey
+
+SYS = list(range(500, 2500))  # a 2,000-token system prompt
+
+
+def key(tokens, cached):
+    k = RouteKey("", tokens, 8)
+    k.cached = cached
+    return k
+
+
+def brute(keys, page=1):
+    """Distinct (page-aligned when shared) prefixes: count the distinct prefixes s[:n] for n <= c."""
+    if page == 1:
+        return len({tuple(k.tokens[:n]) for k in keys if k.tokens for n in range(1, k.cached + 1)}) + sum(
+            k.cached for k in keys if not k.tokens)
+    raise AssertionError
+
+
+def test_conversations_on_one_system_prompt_hold_it_once():
+    keys = [key(SYS + [10_000 + i] * 300 + [7], 2000 + 300) for i in range(16)]
+    assert union_of_prefixes(keys) == 2000 + 16 * 300
+    assert sum(k.cached for k in keys) == 16 * 2300  # what was taken off before: 34,500 too many
+
+
+def test_a_truncated_prefix_inside_another_counts_nothing_more():
+    a = key(SYS + [1, 2, 3], 2003)
+    b = key(SYS + [9, 9], 1000)  # its cached part is inside a's
+    c = key(SYS[:1500] + [4], 1501)
+    assert union_of_prefixes([a, b, c]) == 2003 + 1
+    assert union_of_prefixes([b]) == 1000
+
+
+def test_shared_parts_count_in_whole_pages():
+    a = key(SYS[:30] + [1] * 20, 48)
+    b = key(SYS[:30] + [2] * 20, 48)  # they share 30 tokens: 28 in whole pages of 4
+    assert union_of_prefixes([a, b], page=4) == 96 - 28
+    assert union_of_prefixes([a, b], page=1) == 96 - 30
+
+
+def test_keys_without_ids_never_share():
+    t1, t2 = RouteKey("hello " * 100, None, 8), RouteKey("hello " * 100, None, 8)
+    t1.cached = t2.cached = 120
+    assert union_of_prefixes([t1, t2, key(SYS, 100)]) == 340
+
+
+def test_held_prefixes_moves_keys_from_waiting_to_running():
+    h = HeldPrefixes()
+    ks = [key(SYS + [i], 2000) for i in range(3)]
+    for k in ks:
+        k.queued = 1
+        k.charged = (None, 0, 0.0)
+        h.add(k)
+    assert h.counted(1.0) == 6000 and h.counted(None) == 0
+    for k in ks:
+        h.prefilled(k)
+    assert h.counted(1.0) == 2000
+    assert h.remove(ks[0]) == 0  # the other two still hold the system prompt
+    assert h.remove(ks[1]) == 0
+    assert h.remove(ks[2]) == 2000
+    assert not h and h.counted(1.0) == 0
+
+
+ids = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(ids, st.integers(0, 12)), min_size=1, max_size=8))
+def test_union_equals_the_distinct_prefixes(items):
+    keys = [key(t, min(c, len(t))) for t, c in items]
+    keys = [k for k in keys if k.cached > 0]
+    assert union_of_prefixes(keys) == brute(keys)
