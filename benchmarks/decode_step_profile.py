@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--compile", action="store_true", help="--enable-torch-compile (buckets up to --batch)")
-    ap.add_argument("--fused-attention", action="store_true",
-                    help="compiled step: attention as fused reductions over the pool (attention.FUSED_DECODE_ATTENTION)")
+    att = ap.add_mutually_exclusive_group()
+    att.add_argument("--fused-attention", dest="fused", action="store_const", const=True, default=None,
+                     help="compiled step: attention as fused reductions over the pool (attention.FUSED_DECODE_ATTENTION, "
+                          "the default)")
+    att.add_argument("--sdpa-attention", dest="fused", action="store_const", const=False,
+                     help="compiled step: SDPA over a gathered copy of the KV (the form before; the A/B)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warm-steps", type=int, default=20)
@@ -50,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     from fleetserve.models.registry import default_model_path
     from fleetserve.models.tokenizer import load_tokenizer
 
-    if a.fused_attention:
+    if a.fused is not None:
         from fleetserve.layers import attention
-        attention.FUSED_DECODE_ATTENTION = True
+        attention.FUSED_DECODE_ATTENTION = a.fused
     tok = load_tokenizer(default_model_path())
     args = ServerArgs(model_path=default_model_path(), dtype="float32", max_total_tokens=16384, random_seed=0,
                       quantization=a.quantization, enable_torch_compile=a.compile, torch_compile_max_bs=a.batch)

@@ -86,13 +86,14 @@ def expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
 DEFAULT_CUDA_SDPA = "no_cudnn"
 
 
-#: Compiled DECODE steps on CPU use :func:`decode_attention_reduction` when True (read at trace time).
-#: Off by default: alone (one layer, 32 requests of 100-250 tokens) it measured ~2x SDPA over a
-#: gathered copy, but in SmolLM2's whole compiled step its first form was slower (inductor recomputed
-#: the queries' RoPE inside the score loop, 47-58 vs 44-55 ms per step); the form below, which makes
-#: inductor write the queries out first, has not been measured in the whole step yet.
-#: benchmarks/decode_step_profile.py ``--fused-attention`` turns it on for that A/B.
-FUSED_DECODE_ATTENTION = False
+#: Compiled DECODE steps on CPU use :func:`decode_attention_reduction` when True (read at trace time),
+#: SDPA over a gathered copy of the KV otherwise.  On by default since it measured faster in
+#: SmolLM2's whole compiled step at 32 requests, 2 threads, in every pair run (6 pairs on two EPYC
+#: machines, 2026-12-04/05: float32 63-87 vs 65-110 ms, bf16_linear 41 vs 48-51 ms per step;
+#: docs/benchmarks.md ``engine-c32-fused-attention``).  Its first form was slower (inductor
+#: recomputed the queries' RoPE inside the score loop); the form below makes inductor write the
+#: queries out first.  benchmarks/decode_step_profile.py ``--sdpa-attention`` is the A/B.
+FUSED_DECODE_ATTENTION = True
 
 
 def decode_attention_reduction(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
