@@ -416,10 +416,20 @@ def rate_part(a: argparse.Namespace) -> None:
     write_rate_doc(a, res)
 
 
+def routed_p90_cells(r: dict, ref: dict | None) -> str:
+    """``routed p90 (ms) | / cache_aware's |`` cells: the TTFT p90 of the requests the router placed
+    (direct traffic excluded), and its ratio to ``ref``'s; ``-`` where a row has no split."""
+    v = r.get("ttft_p90_routed_s")
+    if v is None:
+        return "- | - |"
+    rv = ref.get("ttft_p90_routed_s") if ref else None
+    return f"{v * 1e3:.0f} | " + (f"{v / rv:.2f}x |" if rv else "- |")
+
+
 def rate_table(res: dict) -> str:
     """Markdown: one row per (rate, router), in rate order, with kv_aware's p90 over cache_aware's."""
     head = ("| rate (req/s) | run | window (s) | router | hit rate | bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
-            "p90 / cache_aware's | req/s | backlog mid / end / peak | workers waiting max | busy | "
+            "p90 / cache_aware's | routed p90 (ms) | routed p90 / cache_aware's | req/s | backlog mid / end / peak | workers waiting max | busy | "
             "failed | sim late | load avg |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     by_rate: dict[float, list[dict]] = {}
@@ -439,6 +449,7 @@ def rate_table(res: dict) -> str:
                 f"| {rate:.1f} | {r.get('rep', 0) + 1} | {q['window_s']:.1f} | {r['label']} | {r['cache_hit_rate']:.1%} | "
                 f"{bound} | "
                 f"{r['ttft_s']['p50'] * 1e3:.0f} | {p90} | {r['ttft_s']['p99'] * 1e3:.0f} | {ratio} | "
+                f"{routed_p90_cells(r, ref)} "
                 f"{r['request_throughput']:.1f} | {q['mid']} / {q['end']} / {q['peak']} | "
                 f"{r.get('worker_waiting_max', '-')} | {r.get('utilisation', 0):.0%} | {r['failed']} | "
                 f"{r['sim_late_share']:.0%} | {r['loadavg_end'][0]:.1f} |")

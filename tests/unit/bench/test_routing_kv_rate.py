@@ -215,3 +215,20 @@ def test_window_figures_seg_moved_counts_turns_served_away_from_their_previous_w
     row = _row("kv_aware", 60.0, 0, 0.1)
     row["windows"] = w
     assert "| 50% |" in rr.window_table({"rows": [row]}).splitlines()[-1]
+
+
+def test_rate_table_shows_the_routed_p90_next_to_the_overall_one(rr):
+    """With direct traffic the overall p90 mixes in the direct requests' misses: the routed-only p90 and
+    its ratio to the same repeat's cache_aware are their own columns; a row without the split shows -."""
+    ca, kv = _row("cache_aware (ours)", 54.0, 0, 0.56), _row("kv_aware", 54.0, 0, 0.32)
+    ca["ttft_p90_routed_s"], kv["ttft_p90_routed_s"] = 0.5, 0.1
+    lines = rr.rate_table({"rows": [ca, kv]}).splitlines()
+    head = [c.strip() for c in lines[0].split("|")]
+    i = head.index("routed p90 (ms)")
+    assert head[i + 1] == "routed p90 / cache_aware's"
+    kv_cells = [c.strip() for c in lines[3].split("|")]
+    assert kv_cells[4] == "kv_aware" and kv_cells[i:i + 2] == ["100", "0.20x"]
+    assert [c.strip() for c in lines[2].split("|")][i:i + 2] == ["500", "1.00x"]
+    del kv["ttft_p90_routed_s"]
+    assert [c.strip() for c in rr.rate_table({"rows": [ca, kv]}).splitlines()[3].split("|")][i:i + 2] == ["-", "-"]
+    assert len(lines[0].split("|")) == len(lines[1].split("|")) == len(lines[3].split("|"))
