@@ -65,7 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetserve.entrypoints.cli_parser import OneLineParser
-from fleetserve.launch.kv_ports import check_kv_event_ports, instance_kv_events_args
+from fleetserve.launch.kv_ports import (check_kv_event_ports, default_kv_events_config, given as kv_events_given,
+                                        instance_kv_events_args)
 from fleetserve.launch.output import child_env, start_copy
 from fleetserve.launch.port_plan import first_busy, first_collision, plan
 from fleetserve.launch.router_address import adopt_router_address, given_launch_flags, http_url
@@ -501,6 +502,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{e.strerror or e}", file=sys.stderr)
             return 2
         print(f"[launch] {args.router_port_flag} 0: the router will listen on port {args.port}", flush=True)
+    if not bad and effective_policy(args) == "kv_aware" and not kv_events_given(instance_args):
+        # a kv_aware router routes on the instances' KV events: without a publisher it has only its tree
+        taken = {args.port, *range(args.worker_base_port, args.worker_base_port + args.workers)}
+        if router.get("prometheus_port"):
+            taken.add(router["prometheus_port"])
+        cfg = default_kv_events_config(instance_args, args.workers, taken)
+        if cfg is None:
+            print("[launch] warning: --policy kv_aware: no free port range for the instances' KV events "
+                  "from 5557 up; pass --kv-events-config (routed on the approximate tree until then)", flush=True)
+        else:
+            instance_args = [*instance_args, "--kv-events-config", cfg]
+            print(f"[launch] --policy kv_aware: the instances publish KV-cache events (--kv-events-config {cfg}, "
+                  "instance i on the port + i x DP size; pass your own --kv-events-config to change it)", flush=True)
     bad = bad or check_ports(args) or check_kv_event_ports(instance_args, args.workers)
     for line in router.get("warnings", ()):  # the router logs them too, once it starts
         print(f"[launch] warning: --router-args: {line}", flush=True)

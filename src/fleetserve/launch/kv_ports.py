@@ -19,6 +19,12 @@ i          ``P + i*D .. P + i*D + D - 1``
 (the engine then suffixes ``_dp<r>`` for its rank ``r`` > 0, so no two names meet).  The instances report their own config in ``/get_server_info``, so a ``kv_aware``
 router finds each stream from the worker URL alone.  The same for ``--worker-kind engine``
 and ``sim``.
+
+With ``--policy kv_aware`` and no ``--kv-events-config``, launch gives the instances one itself
+(:func:`default_kv_events_config`): ZMQ on ``tcp://*:P``, ``P`` the first port from
+:data:`DEFAULT_KV_EVENTS_PORT` (vLLM's and SGLang's default endpoint, ``tcp://*:5557``) whose
+whole range for the fleet can be bound now; a kv_aware router without streams would only route
+on its approximate tree.  ``--kv-events-config '{"publisher":"null"}'`` keeps them off.
 """
 
 from __future__ import annotations
@@ -85,6 +91,35 @@ def instance_kv_events_args(instance_args: list[str], index: int) -> list[str]:
     else:
         out[pos + 1] = new
     return out
+
+
+#: vLLM's and SGLang's default KV-event endpoint port (their ``KVEventsConfig.endpoint`` ``tcp://*:5557``).
+DEFAULT_KV_EVENTS_PORT = 5557
+
+
+def given(instance_args: list[str]) -> bool:
+    """Whether the instance flags hold a ``--kv-events-config`` (any value, "publish nothing" included)."""
+    return _last(instance_args, (FLAG,))[0] >= 0
+
+
+def default_kv_events_config(instance_args: list[str], workers: int, taken: set[int],
+                             start: int = DEFAULT_KV_EVENTS_PORT, tries: int = 200) -> str | None:
+    """The ``--kv-events-config`` JSON launch gives a kv_aware fleet that has none: ZMQ on ``tcp://*:P``
+    with the first ``P >= start`` such that the ports ``P .. P + workers x D - 1`` (instance ``i``'s DP
+    rank ``r`` on ``P + i x D + r``) are none of ``taken`` (the launch's HTTP ports) and can all be
+    bound on every interface now; None when no such range is found in ``tries`` steps."""
+    from fleetserve.entrypoints.ports import port_busy_error
+
+    n = workers * dp_size(instance_args)
+    base = start
+    for _ in range(tries):
+        if base + n - 1 > 65535:
+            return None
+        clash = next((q for q in range(base, base + n) if q in taken or port_busy_error("", "0.0.0.0", q)), None)
+        if clash is None:
+            return json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{base}"}, separators=(",", ":"))
+        base = clash + 1
+    return None
 
 
 def check_kv_event_ports(instance_args: list[str], workers: int) -> str | None:
