@@ -160,24 +160,24 @@ def test_a_kv_port_another_program_holds_is_refused_before_any_start(monkeypatch
 def test_default_config_for_kv_aware_skips_taken_and_busy_ports():
     """launch's own --kv-events-config for a kv_aware fleet: the first range from the start port whose
     every port (workers x DP size) is neither a launch HTTP port nor bound by another program."""
-    import json
     import socket
 
     from fleetserve.launch.kv_ports import default_kv_events_config, given
 
-    s = socket.socket()
+    held = {5559}  # another program's port (a stand-in for the bind test, so the test needs no free range)
+    cfg = json.loads(default_kv_events_config(["--dp-size", "2"], 2, set(), busy=held.__contains__))
+    assert cfg == {"publisher": "zmq", "endpoint": "tcp://*:5560"}  # 5557..5560 hits 5559: the next try starts after it
+    cfg = json.loads(default_kv_events_config([], 2, {5557}, busy=held.__contains__))
+    assert cfg["endpoint"] == "tcp://*:5560"  # a launch HTTP port (5557) and the busy 5559 are both skipped
+    assert default_kv_events_config([], 2, set(), busy=lambda q: True) is None
+    assert default_kv_events_config([], 3, set(), start=65534, busy=lambda q: False) is None  # past 65535
+    s = socket.socket()  # the default test binds for real: a port held here is skipped
     s.bind(("0.0.0.0", 0))
     s.listen()
-    busy = s.getsockname()[1]
+    port = s.getsockname()[1]
     try:
-        start = busy - 3
-        # 2 workers x 2 ranks need 4 ports: start..start+3 hits `busy`, the next try starts after it
-        cfg = json.loads(default_kv_events_config(["--dp-size", "2"], 2, set(), start=start))
-        assert cfg == {"publisher": "zmq", "endpoint": f"tcp://*:{busy + 1}"}
-        cfg = json.loads(default_kv_events_config([], 2, {busy + 1}, start=busy + 1))
-        assert cfg["endpoint"] == f"tcp://*:{busy + 2}"  # a launch HTTP port is skipped too
-        assert default_kv_events_config([], 2, set(), start=busy, tries=1) is None
-        assert default_kv_events_config([], 3, set(), start=65534) is None  # past 65535
+        got = int(json.loads(default_kv_events_config([], 1, set(), start=port))["endpoint"].rsplit(":", 1)[1])
+        assert got > port
     finally:
         s.close()
     assert given(["--kv-events-config", '{"publisher":"null"}']) and given(["--kv-events-config={}"])

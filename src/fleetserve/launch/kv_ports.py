@@ -103,19 +103,25 @@ def given(instance_args: list[str]) -> bool:
 
 
 def default_kv_events_config(instance_args: list[str], workers: int, taken: set[int],
-                             start: int = DEFAULT_KV_EVENTS_PORT, tries: int = 200) -> str | None:
+                             start: int = DEFAULT_KV_EVENTS_PORT, tries: int = 200,
+                             busy=None) -> str | None:
     """The ``--kv-events-config`` JSON launch gives a kv_aware fleet that has none: ZMQ on ``tcp://*:P``
     with the first ``P >= start`` such that the ports ``P .. P + workers x D - 1`` (instance ``i``'s DP
     rank ``r`` on ``P + i x D + r``) are none of ``taken`` (the launch's HTTP ports) and can all be
-    bound on every interface now; None when no such range is found in ``tries`` steps."""
-    from fleetserve.entrypoints.ports import port_busy_error
+    bound on every interface now; None when no such range is found in ``tries`` steps.  ``busy``:
+    ``port -> bool`` (default: a bind test on 0.0.0.0)."""
+    if busy is None:
+        from fleetserve.entrypoints.ports import port_busy_error
+
+        def busy(q: int) -> bool:
+            return port_busy_error("", "0.0.0.0", q) is not None
 
     n = workers * dp_size(instance_args)
     base = start
     for _ in range(tries):
         if base + n - 1 > 65535:
             return None
-        clash = next((q for q in range(base, base + n) if q in taken or port_busy_error("", "0.0.0.0", q)), None)
+        clash = next((q for q in range(base, base + n) if q in taken or busy(q)), None)
         if clash is None:
             return json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{base}"}, separators=(",", ":"))
         base = clash + 1
