@@ -13,6 +13,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch_helpers import LaunchProc, chat, free_ports, get_json  # noqa: E402
 
 
+def exact_streams(url: str, n: int, within: float) -> tuple[list[str], str]:
+    """The workers whose KV-event stream the router at ``url`` trusts ``exact`` (rank 0), polled until
+    ``n`` are or ``within`` seconds pass; and the last /metrics text."""
+    deadline = time.monotonic() + within
+    while True:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        exact = re.findall(r'fleetserve_router_kv_stream_state\{dp_rank="0",state="exact",worker="([^"]+)"\} 1\.0', text)
+        if len(exact) >= n or time.monotonic() > deadline:
+            return exact, text
+        time.sleep(0.3)
+
+
 @pytest.mark.timeout(240)
 def test_two_sim_instances_publish_on_their_own_ports_and_the_router_reads_both():
     PORT, BASE = free_ports(2)
@@ -35,15 +48,7 @@ def test_two_sim_instances_publish_on_their_own_ports_and_the_router_reads_both(
         assert chat(url, "through the router " + "words " * 20, max_tokens=2)[0] == 200
         for i in range(2):  # each instance publishes what it caches, whichever way the router routes
             assert chat(f"http://127.0.0.1:{BASE + i}", f"straight to {i} " + "words " * 20, max_tokens=2)[0] == 200
-        deadline = time.monotonic() + 20
-        while True:  # both streams received events in order: trust exact
-            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-                text = r.read().decode()
-            exact = re.findall(r'fleetserve_router_kv_stream_state\{dp_rank="0",state="exact",worker="([^"]+)"\} 1\.0',
-                               text)
-            if len(exact) == 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
+        exact, text = exact_streams(url, 2, 30)  # both streams received events in order: trust exact
         assert sorted(exact) == [f"http://127.0.0.1:{BASE}", f"http://127.0.0.1:{BASE + 1}"], text[-3000:]
     finally:
         code = lp.stop()
@@ -81,15 +86,7 @@ def test_kv_aware_launch_without_a_config_gives_the_instances_one_on_free_ports(
         url = f"http://127.0.0.1:{PORT}"
         for i in range(2):
             assert chat(f"http://127.0.0.1:{BASE + i}", f"straight to {i} " + "words " * 20, max_tokens=2)[0] == 200
-        deadline = time.monotonic() + 30
-        while True:
-            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-                text = r.read().decode()
-            exact = re.findall(r'fleetserve_router_kv_stream_state\{dp_rank="0",state="exact",worker="([^"]+)"\} 1\.0',
-                               text)
-            if len(exact) == 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
+        exact, text = exact_streams(url, 2, 30)  # both streams received events in order: trust exact
         assert sorted(exact) == [f"http://127.0.0.1:{BASE}", f"http://127.0.0.1:{BASE + 1}"], text[-3000:]
     finally:
         code = lp.stop()

@@ -143,24 +143,14 @@ def test_the_cost_load_gauge_shows_the_figure_in_the_routers_units():
     5012 (the engine's figure less the shared 400, once) where ``engine_load_tokens`` shows 5412; B,
     with no engine figure, shows the router's own count; both fall back to 0 once all have ended
     and the snapshots went stale."""
-    from prometheus_client import CollectorRegistry, generate_latest
+    import os
+    import sys
 
-    from fleetserve.router.kv_events.metrics import families
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_kv_aware_queue_metric import scrape as scrape_family
 
     def scrape(name):
-        class Collector:
-            def collect(self):
-                return families(pol)
-
-        reg = CollectorRegistry()
-        reg.register(Collector())
-        out = {}
-        for line in generate_latest(reg).decode().splitlines():
-            if line.startswith(name + "{"):
-                labels, value = line[len(name) + 1:].rsplit("} ", 1)
-                lab = dict(kv.split("=", 1) for kv in labels.split(","))
-                out[(lab["worker"].strip('"'), lab["dp_rank"].strip('"'))] = float(value)
-        return out
+        return scrape_family(pol, name)
 
     pol = kv()
     for url in (A, B):  # streams with the counters the families read

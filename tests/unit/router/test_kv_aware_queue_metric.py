@@ -16,7 +16,8 @@ def turn0(c: int) -> list[int]:
     return TEMPLATE + [10_000 + 100 * c + j for j in range(38)]  # 62 tokens, the first 24 shared
 
 
-def scrape(pol) -> dict[tuple[str, str], float]:
+def scrape(pol, name: str = NAME) -> dict[tuple[str, str], float]:
+    """``{(worker, dp_rank): value}`` of the family ``name`` in the /metrics text of ``pol``'s families."""
     class Collector:
         def collect(self):
             return families(pol)
@@ -25,8 +26,8 @@ def scrape(pol) -> dict[tuple[str, str], float]:
     reg.register(Collector())
     out = {}
     for line in generate_latest(reg).decode().splitlines():
-        if line.startswith(NAME + "{"):
-            labels, value = line[len(NAME) + 1:].rsplit("} ", 1)
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].rsplit("} ", 1)
             lab = dict(kv.split("=", 1) for kv in labels.split(","))
             out[(lab["worker"].strip('"'), lab["dp_rank"].strip('"'))] = float(value)
     return out
