@@ -21,8 +21,10 @@ changes and only when asked (a target whose engine figure is above the router's)
 
 Requests without token ids (routed on text) never share as far as the router can tell: each counts
 whole.  A running request sent after the snapshot's figures were taken is still in the union (rare:
-its prefill must have ended in the meantime); a non-streamed request stays "waiting" until its
-answer ends (the router sees no first byte), so with such requests the figure errs low, as before.
+its prefill must have ended in the meantime).  A non-streamed request shows no first byte: it
+stays "waiting" until its answer ends or an engine snapshot's ``num_waiting_reqs`` shows it admitted
+(:meth:`.policy.KvAwarePolicy.engine_snapshot`, at least ``KNOWN_AFTER_S`` after it was sent); until
+then, with such requests on a shared prefix, the figure errs low.
 """
 
 from __future__ import annotations

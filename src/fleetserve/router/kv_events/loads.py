@@ -88,6 +88,19 @@ def ranks_waiting(doc) -> dict[int, int] | None:
     return out or None
 
 
+def ranks_waiting_reqs(doc) -> dict[int, int] | None:
+    """``{dp_rank: num_waiting_reqs}`` (requests queued, not admitted yet) of a ``/v1/loads`` answer;
+    None when it has no such figures."""
+    loads = doc.get("loads") if isinstance(doc, dict) else None
+    out = {}
+    for e in loads if isinstance(loads, list) else ():
+        if isinstance(e, dict):
+            r, n = e.get("dp_rank", 0), e.get("num_waiting_reqs")
+            if type(r) is int and type(n) is int and n >= 0:
+                out[r] = n
+    return out or None
+
+
 def ranks_capacity(doc) -> dict[int, int]:
     """``{dp_rank: max_total_num_tokens}`` (the KV pool's size in tokens) of a ``/v1/loads`` answer."""
     loads = doc.get("loads") if isinstance(doc, dict) else None
@@ -112,6 +125,10 @@ class EngineLoads:
         self.waiting: dict[str, dict[int, int]] = {}  # url -> {dp_rank: uncached prompt tokens waiting}
         self._prefilled: dict[str, dict[int | None, int]] = {}  # url -> rank -> waiting tokens prefilled since
         self.pools: dict[str, dict[int, int]] = {}  # url -> {dp_rank: KV pool size in tokens}
+        self.waiting_reqs: dict[str, dict[int, int]] = {}  # url -> {dp_rank: requests waiting} of the snapshot
+        # called with the url after every new snapshot (the policy infers which of its non-streamed
+        # requests have left the engine's queue: policy.KvAwarePolicy.engine_snapshot)
+        self.on_snapshot = None
         # url -> rank or None -> figures() of the current snapshot while fresh; dropped with every change of
         # the url's snapshot or of what this router saw end or prefill since (the policy asks per request)
         self._figures: dict[str, dict[int | None, tuple[int | None, int | None]]] = {}
@@ -176,10 +193,12 @@ class EngineLoads:
         return sum(pools.values()) if rank is None else pools.get(rank)
 
     def put(self, url: str, per_rank: dict[int, int], now: float | None = None, asked: float | None = None,
-            taken: float | None = None, waiting: dict[int, int] | None = None) -> None:
+            taken: float | None = None, waiting: dict[int, int] | None = None,
+            waiting_reqs: dict[int, int] | None = None) -> None:
         """A new snapshot: ``per_rank`` as reported, arrived ``now``, asked for at ``asked`` (default: ``now``),
         taken by the engine at ``taken`` (monotonic; default: none known, the age counts from ``now``);
-        ``waiting``: ``{dp_rank: num_waiting_uncached_tokens}`` when the engine reports it."""
+        ``waiting``: ``{dp_rank: num_waiting_uncached_tokens}`` and ``waiting_reqs``: ``{dp_rank:
+        num_waiting_reqs}`` when the engine reports them.  Then :attr:`on_snapshot` is called with ``url``."""
         now = time.monotonic() if now is None else now
         self.snapshots[url] = (now, per_rank, now if asked is None else asked, now if taken is None else min(taken, now))
         self._figures.pop(url, None)
@@ -189,6 +208,12 @@ class EngineLoads:
             self.waiting[url] = waiting
         else:
             self.waiting.pop(url, None)
+        if waiting_reqs:
+            self.waiting_reqs[url] = waiting_reqs
+        else:
+            self.waiting_reqs.pop(url, None)
+        if self.on_snapshot is not None:
+            self.on_snapshot(url)
 
     def _counted(self, url: str, sent: float, now: float | None) -> bool:
         """Whether the current snapshot of ``url`` counts a request sent at ``sent`` that changed state
@@ -245,6 +270,7 @@ class EngineLoads:
         self._ended.pop(url, None)
         self._prefilled.pop(url, None)
         self.waiting.pop(url, None)
+        self.waiting_reqs.pop(url, None)
         self._missing.pop(url, None)
         self.pools.pop(url, None)
 
@@ -262,7 +288,7 @@ class EngineLoads:
 
         self.polls += 1
         asked = time.monotonic()
-        per = stamp = waiting = None
+        per = stamp = waiting = waiting_reqs = None
         try:
             timeout = aiohttp.ClientTimeout(total=max(self.interval_s, 0.5))
             async with router.session.get(url + "/v1/loads?include=core", headers=router.own_headers(url),
@@ -271,6 +297,7 @@ class EngineLoads:
                     try:
                         doc = await r.json(content_type=None)
                         per, stamp, waiting = ranks_tokens(doc), taken_at(doc), ranks_waiting(doc)
+                        waiting_reqs = ranks_waiting_reqs(doc)
                         pools = ranks_capacity(doc)
                         if pools:
                             self.pools[url] = pools
@@ -278,24 +305,26 @@ class EngineLoads:
                         per = None
         except Exception as e:  # unreachable or slow: no figure now; the router-side count is in charge
             log.debug("kv loads: %s/v1/loads: %s", url, e)
-            self.failures += 1
-            self.snapshots.pop(url, None)
-            self._figures.pop(url, None)
-            self._ended.pop(url, None)
-            self.waiting.pop(url, None)
+            self._drop(url)
             return  # asked again at the next interval
         if per is None:  # the worker has no such endpoint (404, not JSON, no figures): ask again much later
-            self.failures += 1
-            self.snapshots.pop(url, None)
-            self._figures.pop(url, None)
-            self._ended.pop(url, None)
-            self.waiting.pop(url, None)
+            self._drop(url)
             self._missing[url] = time.monotonic()
             return
         self._missing.pop(url, None)
         now = time.monotonic()
         taken = None if stamp is None else now - max(0.0, time.time() - stamp)
-        self.put(url, per, now, asked=asked, taken=taken, waiting=waiting)
+        self.put(url, per, now, asked=asked, taken=taken, waiting=waiting, waiting_reqs=waiting_reqs)
+
+    def _drop(self, url: str) -> None:
+        """A poll of ``url`` failed: its snapshot says nothing about now (the pool size is kept)."""
+        self.failures += 1
+        self.snapshots.pop(url, None)
+        self._figures.pop(url, None)
+        self._ended.pop(url, None)
+        self._prefilled.pop(url, None)
+        self.waiting.pop(url, None)
+        self.waiting_reqs.pop(url, None)
 
     async def run(self, router) -> None:
         while True:

@@ -21,6 +21,8 @@
   for a whole worker): the larger of ``load_tokens`` and the engine's figure in the router's
   units (without those cached prefixes, each shared page once: :meth:`.policy.KvAwarePolicy.load_term`).
   Listed for every target chosen since its worker was added.
+* ``inferred_prefills_total``: non-streamed requests taken out of the queued prefill because an
+  engine snapshot's ``num_waiting_reqs`` showed them admitted (:meth:`.policy.KvAwarePolicy.engine_snapshot`).
 * ``tokenizer_mismatch{worker}``: 1 while the worker counts other prompt tokens than the
   router's tokenizer (routed ``fallback``, reason ``tokenizer``; :mod:`.tokenizer_check`).
 * ``prompt_token_checks_total{worker,result}``: answers whose prompt count ``agreed`` /
@@ -67,6 +69,8 @@ def families(policy):
         load.add_metric([url if rank is None else f"{url}#{rank}"], n)
     yield load
     yield queued_prefill_family(policy)
+    yield CounterMetricFamily(_P + "inferred_prefills", "Non-streamed requests whose prefill end an engine's "
+                              "num_waiting_reqs told", value=policy.inferred_prefills)
     tc = policy.tokenizer_check
     mism = GaugeMetricFamily(_P + "tokenizer_mismatch", "1 while the worker's prompt token counts disagree with "
                              "the router's tokenizer (routed by the approximate tree)", labels=["worker"])

@@ -37,7 +37,8 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   this router's requests on ``t`` whose prefill has not ended, i.e. from the
   decision until the first answer bytes of a stream arrive (vLLM and SGLang send
   the first chunk with the first token, as our engine does) or until a non-streamed
-  answer ends; while the engine's ``/v1/loads`` figure is fresh, the larger of that
+  answer ends or an engine snapshot shows it admitted (:meth:`KvAwarePolicy.engine_snapshot`,
+  from ``num_waiting_reqs``); while the engine's ``/v1/loads`` figure is fresh, the larger of that
   and its ``num_waiting_uncached_tokens`` (less what this router saw prefilled since
   it was taken, :meth:`.loads.EngineLoads.prefilled`).  A queued token costs half
   an uncached token of the request (``--kv-queue-weight`` 0.5): it delays the first
@@ -102,6 +103,7 @@ _NOTHING_SHARED = (0, ())  # a target none of whose queued prompts shares a toke
 TEXT = "text"  # the fallback reason of a request without token ids
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
 MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much load
+KNOWN_AFTER_S = 1.0  # a request sent this long before an engine's figures were taken is in them (engine_snapshot)
 IDLE_ABS_THRESHOLD = 160.0  # --kv-balance-abs-threshold: wait gap, in cost units (tokens), before the idle rule moves
 IDLE_REL_THRESHOLD = 1.2  # --kv-balance-rel-threshold: wait ratio before the idle rule moves (0: off)
 BALANCE_BAND = 0.0  # --kv-balance-band: share over the lowest target's queue / load the balance terms ignore (0: off)
@@ -111,7 +113,7 @@ class RouteKey:
     """One request's routing input and, after :meth:`KvAwarePolicy.select`, its decision."""
 
     __slots__ = ("text", "tokens", "prompt_tokens", "decode_tokens", "target", "rank", "branch", "cached",
-                 "charged", "queued", "reason", "tokenized", "_tree_text", "_one_char", "_chars")
+                 "charged", "queued", "reason", "tokenized", "streamed", "_tree_text", "_one_char", "_chars")
 
     def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS,
                  chars: str | None = None):
@@ -130,6 +132,7 @@ class RouteKey:
         self.queued = 0  # uncached prompt tokens counted as queued prefill on the target until its prefill ends
         self.reason = None  # why the branch is fallback whatever the stream's trust (TOKENIZER, TEXT), or None
         self.tokenized = False  # the ids came from the router's tokenizer (not the request's own ids)
+        self.streamed = False  # a stream was asked for: its first answer bytes will tell when its prefill ended
         self._tree_text = None
         self._one_char = None
 
@@ -351,10 +354,60 @@ class KvAwarePolicy:
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
         self.held: dict = {}  # (url, rank or None) -> HeldPrefixes: its in-flight requests with cached tokens
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
-        self.engine_loads = None  # an EngineLoads (loads.py) when --kv-loads-interval-secs > 0
+        self._engine_loads = None
+        self.inferred_prefills = 0  # non-streamed requests whose prefill end an engine snapshot told (engine_snapshot)
         self.tokenizer_check = TokenizerCheck()
         self.chosen_at: dict = {}  # (url, rank or None) -> number of the decision that last chose it (ties)
         self._decisions = 0
+
+    @property
+    def engine_loads(self):
+        """The engines' ``/v1/loads`` figures (an :class:`~.loads.EngineLoads`) when
+        ``--kv-loads-interval-secs`` > 0, else None; set here, it calls :meth:`engine_snapshot` on
+        each new snapshot."""
+        return self._engine_loads
+
+    @engine_loads.setter
+    def engine_loads(self, loads) -> None:
+        self._engine_loads = loads
+        if loads is not None:
+            loads.on_snapshot = self.engine_snapshot
+
+    def engine_snapshot(self, url: str) -> None:
+        """A new ``/v1/loads`` snapshot of ``url`` arrived: end the queued prefill of this router's
+        non-streamed requests there that the engine has admitted.
+
+        A streamed request's prefill ends with its first answer bytes (:meth:`prefilled`); a
+        non-streamed one shows nothing until its whole answer, so without this it would count as
+        queued prefill (and, in the engine's units, as waiting) through all its decode steps and push
+        later requests off a worker whose queue is empty.  The snapshot's ``num_waiting_reqs`` W
+        (per DP rank; summed for a whole worker) bounds how many of them can still wait: of the
+        non-streamed requests on the target sent at least :data:`KNOWN_AFTER_S` before the figures
+        were taken (so surely counted by the engine), taken in the order sent, all but the last W
+        have been admitted, as a first-come-first-served queue admits (SGLang's ``fcfs``, vLLM's
+        and our scheduler; under SGLang's ``lpm`` the count is right, the choice of which may not
+        be).  Those leave the queued prefill and count as running (:class:`.held.HeldPrefixes`); the
+        engine's waiting figures did not count them, so nothing is taken off those
+        (:meth:`_end_prefill`).  Engines that report no ``num_waiting_reqs`` (vLLM) change nothing.
+        """
+        loads = self._engine_loads
+        per = loads.waiting_reqs.get(url) if loads is not None else None
+        if not per:
+            return
+        cut = loads.counts_from(url)
+        if cut is None:
+            return
+        cut -= KNOWN_AFTER_S
+        for lk, keys in list(self.queued_keys.items()):
+            if lk[0] != url:
+                continue
+            w = sum(per.values()) if lk[1] is None else per.get(lk[1])
+            if w is None:
+                continue
+            known = [k for k in keys if not k.streamed and k.charged[2] < cut]
+            for k in known[:len(known) - w] if w < len(known) else ():
+                if self._end_prefill(k, engine_counted=False):
+                    self.inferred_prefills += 1
 
     # ------------------------------------------------------------ per request
     async def prepare(self, path: str, body: dict, text: str) -> RouteKey:
@@ -375,6 +428,7 @@ class KvAwarePolicy:
                 tokens = None
         key = RouteKey(text, tokens, decode_budget(body), chars)
         key.tokenized = tokenized
+        key.streamed = body.get("stream") is True
         return key
 
     def ranks(self, url: str) -> list[int]:
@@ -421,7 +475,7 @@ class KvAwarePolicy:
             matched = _NONE
         cap = max(key.prompt_tokens - 1, 0)
         best = None
-        engine_loads = self.engine_loads
+        engine_loads = self._engine_loads
         now = time.monotonic() if engine_loads is not None else 0.0
         load_tokens, inflight, queued_tokens = self.load_tokens, self.inflight, self.queued_tokens
         held_of = self.held
@@ -576,7 +630,7 @@ class KvAwarePolicy:
         The same figure as in ``_choose`` (for ``/metrics``; the hot path keeps its own copy)."""
         lk = (url, rank)
         load = self.load_tokens.get(lk, 0)
-        engine_loads = self.engine_loads
+        engine_loads = self._engine_loads
         if engine_loads is not None:
             seen = engine_loads.figures(url, rank, time.monotonic() if now is None else now)[0]
             if seen is not None and seen > load:
@@ -687,8 +741,11 @@ class KvAwarePolicy:
                 for r in ((rank,) if rank is not None else self.ranks(url)):
                     index.add_speculative((url, r), key.tokens, self.speculative_ttl_s)
 
-    def _end_prefill(self, key) -> bool:
-        """Take the request out of its target's queued prefill; False if it was not (or no longer) in it."""
+    def _end_prefill(self, key, engine_counted: bool = True) -> bool:
+        """Take the request out of its target's queued prefill; False if it was not (or no longer) in it.
+
+        ``engine_counted=False``: the engine's current snapshot did not count it as waiting (its end was
+        inferred from that snapshot, :meth:`engine_snapshot`), so nothing is taken off its figures."""
         if not isinstance(key, RouteKey) or not key.queued or key.charged is None:
             return False
         lk, _, sent = key.charged
@@ -708,8 +765,8 @@ class KvAwarePolicy:
             held = self.held.get(lk)
             if held is not None:
                 held.prefilled(key)
-        if self.engine_loads is not None:  # a snapshot that counted it as waiting must not count it still
-            self.engine_loads.prefilled(lk[0], lk[1], sent, q)
+        if engine_counted and self._engine_loads is not None:  # a snapshot that counted it as waiting must not count it still
+            self._engine_loads.prefilled(lk[0], lk[1], sent, q)
         return True
 
     def migrating(self, key, generated: int) -> None:
@@ -734,7 +791,7 @@ class KvAwarePolicy:
         self._end_prefill(key)  # a non-streamed answer (or a failed attempt): its prefill is over too
         lk, n, sent = key.charged
         key.charged = None
-        engine_loads = self.engine_loads
+        engine_loads = self._engine_loads
         shared = 0  # its cached tokens other running requests there still hold: the engine frees them not
         held = self.held.get(lk) if key.cached else None
         if held is not None:  # what the engine frees of its cached prefix, when a snapshot counts it
