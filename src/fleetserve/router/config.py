@@ -107,7 +107,7 @@ class RouterConfig:
     kv_queue_weight: float = 0.5  # a queued prefill token costs half an uncached one of the request (docs/router.md)
     kv_balance_abs_threshold: float = 160.0  # the idle rule: wait gap in tokens (docs/router.md; kv_events/policy.py)
     kv_balance_rel_threshold: float = 1.2  # the idle rule: wait ratio (0: off)
-    kv_balance_band: float = 0.0  # balance terms count only the excess over (1 + band) x the lowest (0: off)
+    kv_balance_band: float = 0.5  # balance terms count only the excess over (1 + band) x the lowest (0: off)
     kv_speculative_ttl_secs: float = 2.0
     kv_index_max_blocks: int = 1 << 20
     kv_loads_interval_secs: float = 1.0

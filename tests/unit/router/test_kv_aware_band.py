@@ -38,17 +38,18 @@ def route(pol) -> RouteKey:
 
 
 def test_the_floor_is_the_band_over_the_lowest():
-    assert BALANCE_BAND == 0.0  # off by default (docs/router.md, the balance band)
+    assert BALANCE_BAND == 0.5  # on by default since routing-kv-rate-foreign-band (docs/router.md, the balance band)
     assert balance_floor([90_000, 94_000], 0.25) == 112_500
     assert balance_floor([0, 94_000], 0.5) == 0  # an idle target: the plain cost
 
 
 @pytest.mark.parametrize("band", [0.25, 0.5])
 def test_a_4k_difference_on_90k_queues_keeps_the_request_on_its_cache(band):
-    old = route(state(94_000, 90_000))  # without the band: A 384 + 0.5 x 94000 + 0.1 x 94480, B 2432 + ...
+    old = route(state(94_000, 90_000, balance_band=0))  # without the band: A 384 + 0.5 x 94000 + 0.1 x 94480, B 2432 + ...
     assert old.target == (B, None) and old.cached == 0  # 2400 of balance outweighs the 2048-token hit
     new = route(state(94_000, 90_000, balance_band=band))  # both under (1 + band) x 90000: no balance cost
     assert new.target == (A, None) and new.cached == 2048
+    assert route(state(94_000, 90_000)).target == (A, None)  # the default band (0.5) keeps it too
 
 
 @pytest.mark.parametrize("band", [0.25, 0.5])
@@ -75,7 +76,8 @@ def test_the_first_turns_of_a_burst_still_spread(band):
 def test_the_flag_reaches_the_policy_and_a_negative_band_is_refused(capsys):
     argv = ["--policy", "kv_aware", "--worker-urls", "http://127.0.0.1:9"]
     assert make_kv_aware(parse_args(argv + ["--kv-balance-band", "0.25"])).balance_band == 0.25
-    assert make_kv_aware(parse_args(argv)).balance_band == 0.0
+    assert make_kv_aware(parse_args(argv)).balance_band == 0.5
+    assert make_kv_aware(parse_args(argv + ["--kv-balance-band", "0"])).balance_band == 0.0
     with pytest.raises(SystemExit) as e:
         parse_args(argv + ["--kv-balance-band", "-0.1"])
     assert e.value.code == 2

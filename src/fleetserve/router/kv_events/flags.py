@@ -44,7 +44,7 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                    help="kv_aware: ... and more than this many times as long (0: the idle rule is off)")
     g.add_argument("--kv-balance-band", type=float, default=d.kv_balance_band,
                    help="kv_aware: the queued-prefill and load terms count only what a target holds over (1 + this) "
-                        "x the least loaded target's (0: off; docs/router.md, the balance band)")
+                        "x the least loaded target's (default 0.5; 0: off, the plain cost; docs/router.md, the balance band)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")

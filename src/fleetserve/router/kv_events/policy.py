@@ -52,7 +52,7 @@ For each candidate target ``t`` (a worker, or with ``--dp-aware`` one DP rank of
   cached system prompt or a 62-token history to skip a queue of about as many
   tokens (docs/router.md).
 
-With ``--kv-balance-band`` b > 0 (default 0: off) the queued-prefill and load terms count only what
+With ``--kv-balance-band`` b > 0 (default 0.5; 0: off) the queued-prefill and load terms count only what
 ``t`` holds over ``(1 + b) x`` the lowest target's figure (:func:`balance_floor`), so that under a
 deep, even backlog chance differences between the queues do not outweigh a hit.
 
@@ -106,7 +106,7 @@ MAX_DECODE_TOKENS = 1024  # a request's decode tokens count at most this much lo
 KNOWN_AFTER_S = 1.0  # a request sent this long before an engine's figures were taken is in them (engine_snapshot)
 IDLE_ABS_THRESHOLD = 160.0  # --kv-balance-abs-threshold: wait gap, in cost units (tokens), before the idle rule moves
 IDLE_REL_THRESHOLD = 1.2  # --kv-balance-rel-threshold: wait ratio before the idle rule moves (0: off)
-BALANCE_BAND = 0.0  # --kv-balance-band: share over the lowest target's queue / load the balance terms ignore (0: off)
+BALANCE_BAND = 0.5  # --kv-balance-band: share over the lowest target's queue / load the balance terms ignore (0: off)
 
 
 class RouteKey:
