@@ -1,7 +1,7 @@
 """CPU µs per request of the router's policy work alone (no HTTP): cache_aware vs kv_aware.
 
     PYTHONPATH=src python benchmarks/kv_policy_cost.py BODIES.jsonl [--inflight 16] [--workers 4]
-        [--passes 5] [--profile]
+        [--passes 5] [--profile] [--engine-tokens N --prefill-after K] [--balance-band B]
 
 BODIES.jsonl: one JSON request body per line (the router-overhead stick writes ~200 bodies of
 1-2 KB in 10 prefix groups to ``<out>/bodies.jsonl``; ``make_bodies`` in its ``bench.py``).
@@ -11,7 +11,10 @@ routing text, kv_aware's ``prepare`` (tokenization with the built-in SmolLM2 tok
 once ``--inflight`` newer requests have been routed (a closed loop of that many requests in
 flight).  The workers publish no KV events (as the stick's fake workers), so kv_aware runs its
 ``fallback`` branch on the approximate tree; each reports its load (``/v1/loads``, refreshed
-every 100 requests) unless ``--loads-interval 0``.  Best of ``--passes`` passes over the bodies (the
+every 100 requests; 0 tokens, or ``--engine-tokens``) unless ``--loads-interval 0``.  With
+``--engine-tokens`` above the router's own count and ``--prefill-after`` K < ``--inflight``, all
+but the K newest requests in flight run, and every decision takes the union of their cached
+prefixes off the engine's figure (:mod:`fleetserve.router.kv_events.held`): that path's cost.  Best of ``--passes`` passes over the bodies (the
 first pass warms the tokenizer's caches), per policy, policies interleaved.  ``--profile``: a
 cProfile of one more kv_aware pass, top 25 by own time.  The printed ``decisions`` digest
 (every chosen worker and predicted cached-token count) tells whether two source trees decide alike.
@@ -41,18 +44,20 @@ from fleetserve.router.workers import Worker
 PATH = "/v1/completions"
 
 
-async def one_pass(policy, bodies: list[bytes], workers: list, inflight: int, trace: list | None = None) -> float:
+async def one_pass(policy, bodies: list[bytes], workers: list, inflight: int, trace: list | None = None,
+                   engine_tokens: int = 0, prefill_after: int | None = None) -> float:
     prepare = getattr(policy, "prepare", None)
     decorate = getattr(policy, "decorate", None)
     release = getattr(policy, "release", None)
     prefilled = getattr(policy, "prefilled", None)
     window: collections.deque = collections.deque()
     loads = getattr(policy, "engine_loads", None)
+    prefill_after = inflight if prefill_after is None else min(prefill_after, inflight)
     t0 = time.process_time()
     for n, raw in enumerate(bodies):
         if loads is not None and n % 100 == 0:  # a fresh /v1/loads answer from each worker (as the stick's)
             for w in workers:
-                loads.put(w.url, {0: 0}, waiting={0: 0})
+                loads.put(w.url, {0: engine_tokens}, waiting={0: 0})
         body = orjson.loads(raw)
         key = routing_text(PATH, body)
         if prepare is not None:
@@ -64,6 +69,8 @@ async def one_pass(policy, bodies: list[bytes], workers: list, inflight: int, tr
         if decorate is not None:
             decorate(key, raw, b"")
         window.append((key, w))
+        if prefilled is not None and prefill_after < inflight and len(window) > prefill_after:
+            prefilled(window[-1 - prefill_after][0])  # its first answer bytes
         if len(window) > inflight:
             k, ow = window.popleft()
             ow.load -= 1
@@ -86,13 +93,22 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--engine-tokens", type=int, default=0,
+                    help="num_total_tokens each worker's /v1/loads reports (above the router's count, e.g. 100000: "
+                         "the cost then takes the running requests' union of cached prefixes off it, held.py)")
+    ap.add_argument("--prefill-after", type=int, default=None,
+                    help="a request's prefill ends this many decisions after its own (default: --inflight, "
+                         "with its answer); fewer: the others in flight run, as in a decode batch")
+    ap.add_argument("--balance-band", type=float, default=None,
+                    help="kv_aware's --kv-balance-band (default: the tree's own default; give it to compare trees "
+                         "whose defaults differ)")
     ap.add_argument("--loads-interval", type=float, default=1.0,
                     help="kv_aware reads engine loads as with --kv-loads-interval-secs (0: none)")
     args = ap.parse_args()
     bodies = [line.strip().encode() for line in open(args.bodies) if line.strip()]
     workers = [Worker(f"http://127.0.0.1:{30000 + i}") for i in range(args.workers)]
     tok = RouterTokenizer(tokenizer_dir())
-    kv = KvAwarePolicy(tokenizer=tok)
+    kv = KvAwarePolicy(tokenizer=tok, **({} if args.balance_band is None else {"balance_band": args.balance_band}))
     if args.loads_interval > 0:  # as `fleetserve router` does by default (--kv-loads-interval-secs 1)
         kv.engine_loads = EngineLoads(args.loads_interval)
     policies = {"cache_aware": make_policy("cache_aware"), "kv_aware": kv}
@@ -102,11 +118,13 @@ def main() -> None:
     async def run() -> None:
         for _ in range(args.passes):
             for name, p in policies.items():
-                best[name] = min(best[name], await one_pass(p, bodies, workers, args.inflight, traces[name]))
+                best[name] = min(best[name], await one_pass(p, bodies, workers, args.inflight, traces[name],
+                                                            args.engine_tokens, args.prefill_after))
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
-            await one_pass(policies["kv_aware"], bodies * 5, workers, args.inflight)
+            await one_pass(policies["kv_aware"], bodies * 5, workers, args.inflight, None, args.engine_tokens,
+                           args.prefill_after)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 

@@ -76,3 +76,53 @@ def test_union_equals_the_distinct_prefixes(items):
     keys = [key(t, min(c, len(t))) for t, c in items]
     keys = [k for k in keys if k.cached > 0]
     assert union_of_prefixes(keys) == brute(keys)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add_waiting", "add_running", "prefilled", "remove"]),
+                         st.integers(0, 7), ids, st.integers(1, 12)), min_size=1, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.sampled_from([1, 2, 4]))
+def test_the_kept_union_equals_a_recount_after_every_change(steps, page):
+    """HeldPrefixes keeps the running union up to date key by key: after any sequence of adds, ended
+    prefills and removals it equals union_of_prefixes over the running keys, and what remove says the
+    engine frees is the union before less the union after."""
+    h = HeldPrefixes(page)
+    keys: dict = {}
+    for op, slot, toks, c in steps:
+        k = keys.get(slot)
+        if op.startswith("add"):
+            if k is not None:
+                continue
+            k = keys[slot] = key([1, 2] + toks, min(c, len(toks) + 2))  # a common opening to share
+            k.queued = 1 if op == "add_waiting" else 0
+            k.charged = (None, 0, 0.0)
+            h.add(k)
+        elif k is None:
+            continue
+        elif op == "prefilled":
+            h.prefilled(k)
+        else:
+            running = k in h.running
+            before = union_of_prefixes(list(h.running), page)
+            freed = h.remove(k)
+            del keys[slot]
+            after = union_of_prefixes(list(h.running), page)
+            assert freed == (before - after if running else k.cached)
+        assert h.running_union() == union_of_prefixes(list(h.running), page)
+        assert h.waiting_tokens == sum(w.cached for w in h.waiting)
+
+
+def test_ids_beyond_one_character_and_keys_without_ids_are_kept_apart():
+    big = [0x110000 + i for i in range(4)]  # no one-character text: compared as lists
+    a, b = key(big + [1, 2], 6), key(big + [3], 5)
+    t = RouteKey("hello " * 50, None, 8)
+    t.cached = 30
+    h = HeldPrefixes()
+    for k in (a, b, t, key(SYS, 100)):
+        k.queued = 0
+        h.add(k)
+    assert h.running_union() == 6 + 1 + 30 + 100 == union_of_prefixes([a, b, t, key(SYS, 100)])
+    assert h.remove(t) == 30 and h.remove(a) == 2 and h.remove(b) == 5
+    assert h.running_union() == 100

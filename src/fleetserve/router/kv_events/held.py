@@ -16,8 +16,8 @@ the policy takes off the cached prefixes of its requests that the engine's figur
 
 The union of prefixes ``s_i[:c_i]`` is ``sum(c_i)`` less, in sorted order of the truncated
 prefixes, the prefix each shares with the one before it (the node count of their trie); shared
-parts count in whole pages, as an engine shares them.  It is recomputed only when the running set
-changes and only when asked (a target whose engine figure is above the router's).
+parts count in whole pages, as an engine shares them.  :class:`HeldPrefixes` keeps that sum up to date
+as requests start and end running, comparing only a changed prefix with its neighbours in the order.
 
 Requests without token ids (routed on text) never share as far as the router can tell: each counts
 whole.  A running request sent after the snapshot's figures were taken is still in the union (rare:
@@ -28,6 +28,8 @@ then, with such requests on a shared prefix, the figure errs low.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
 
 from .pending import agree_from
 
@@ -66,21 +68,38 @@ def union_of_prefixes(keys, page: int = 1) -> int:
     return total - shared
 
 
+def _shared(a, b, page: int) -> int:
+    """Tokens two prefixes (strings or lists, or None at an end of the order) share, in whole pages."""
+    if a is None or b is None:
+        return 0
+    n = agree_from(a, b, 0, min(len(a), len(b)))
+    return n - n % page if page > 1 else n
+
+
 class HeldPrefixes:
     """One target's in-flight requests with cached tokens, split as the engine counts them.
 
     ``waiting``: the keys whose prefill has not ended, in the order sent, and ``waiting_tokens``
-    their summed ``cached``; ``running``: the others (:func:`union_of_prefixes` over them, memoised).
+    their summed ``cached``; ``running``: the others, with the size of the union of their cached
+    prefixes (:func:`union_of_prefixes`) kept up to date as keys come and go: their truncated prefixes
+    stay sorted, and the union is their summed length less the (page-rounded) prefix each shares with
+    the one before it, so a key added or removed changes only the pairs around its place: O(log n)
+    slice comparisons and one list insert or delete per change, where recomputing the union costs
+    O(n log n) (at 120 running requests on 4 targets, about 75 µs more CPU per routing decision;
+    docs/benchmarks.md ``router-kv-held-incremental``).
     """
 
-    __slots__ = ("waiting", "waiting_tokens", "running", "page", "_union")
+    __slots__ = ("waiting", "waiting_tokens", "running", "page", "_sum", "_shared", "_texts", "_lists")
 
     def __init__(self, page: int = 1) -> None:
         self.waiting: dict = {}  # key -> None, in the order sent
         self.waiting_tokens = 0
-        self.running: dict = {}  # key -> None
+        self.running: dict = {}  # key -> (cached tokens, its sorted entry or None: no ids) when it was added
         self.page = page
-        self._union = 0  # None: to recompute
+        self._sum = 0  # summed cached tokens of the running keys
+        self._shared = 0  # summed page-rounded prefixes of neighbours in _texts and in _lists
+        self._texts: list = []  # the running keys' cached prefixes as one-character-per-id texts, sorted
+        self._lists: list = []  # those whose ids do not fit one character each, as lists, sorted (rare)
 
     def __bool__(self) -> bool:
         return bool(self.waiting or self.running)
@@ -91,37 +110,59 @@ class HeldPrefixes:
             self.waiting[key] = None
             self.waiting_tokens += key.cached
         else:
-            self.running[key] = None
-            self._union = None
+            self._run(key)
 
     def prefilled(self, key) -> None:
         """``key``'s prefill ended: from now on the engine holds its cached pages with the running batch."""
         if self.waiting.pop(key, 0) is None:
             self.waiting_tokens -= key.cached
-            self.running[key] = None
-            self._union = None
+            self._run(key)
 
     def remove(self, key, freed: bool = True) -> int:
         """``key``'s answer ended.  Returns the tokens of its cached prefix that no other running
         request shares (what the engine frees of it), or its ``cached`` when it was waiting; 0 if not
-        here.  ``freed=False``: the answer is not needed (returns 0 for a running key; the union is
-        then recomputed only when next asked)."""
+        here.  ``freed=False``: the answer is not needed (returns 0 for a running key)."""
         if self.waiting.pop(key, 0) is None:
             self.waiting_tokens -= key.cached
             return key.cached
-        if key not in self.running:
+        held = self.running.pop(key, None)
+        if held is None:
             return 0
-        before = self.running_union() if freed else 0
-        del self.running[key]
-        self._union = None
-        if not freed:
-            return 0
-        return before - (self.running_union() if self.running else 0)
+        c, entry = held
+        self._sum -= c
+        if entry is None:
+            return c if freed else 0
+        group = self._texts if isinstance(entry, str) else self._lists
+        i = bisect_left(group, entry)  # group[i] == entry (an equal one: equal entries are interchangeable)
+        before = group[i - 1] if i > 0 else None
+        after = group[i + 1] if i + 1 < len(group) else None
+        page = self.page
+        kept = _shared(before, entry, page) + _shared(entry, after, page) - _shared(before, after, page)
+        del group[i]
+        self._shared -= kept
+        return c - kept if freed else 0
+
+    def _run(self, key) -> None:
+        c = key.cached
+        entry = None
+        if key.tokens:
+            t = key.one_char_text()
+            entry = key.tokens[:c] if t is None else t[1:c + 1]  # after the marker: one character per id
+        self.running[key] = (c, entry)
+        self._sum += c
+        if entry is None:
+            return
+        group = self._texts if isinstance(entry, str) else self._lists
+        i = bisect_right(group, entry)
+        before = group[i - 1] if i > 0 else None
+        after = group[i] if i < len(group) else None
+        page = self.page
+        self._shared += _shared(before, entry, page) + _shared(entry, after, page) - _shared(before, after, page)
+        group.insert(i, entry)
 
     def running_union(self) -> int:
-        if self._union is None:
-            self._union = union_of_prefixes(self.running, self.page)
-        return self._union
+        """Tokens in the union of the running keys' cached prefixes (:func:`union_of_prefixes`)."""
+        return self._sum - self._shared
 
     def counted(self, counts_from: float | None) -> int:
         """The cached tokens of these requests that an engine snapshot counting the requests sent
@@ -134,4 +175,4 @@ class HeldPrefixes:
             if k.charged[2] < counts_from:
                 break
             total -= k.cached
-        return total + (self.running_union() if self.running else 0)
+        return total + self._sum - self._shared
