@@ -29,7 +29,10 @@ earlier prompt starts with. No routing can beat it; concurrency can keep a real
 fleet below it (a prompt that arrives while the first of its group is still in
 prefill finds nothing). With direct traffic a second, tighter bound
 (:func:`split_cache_bound`): a direct request hits only prompts that were routed
-or went straight to its own worker.
+or went straight to its own worker.  Neither knows the KV pools are finite; the
+third, the pool bound (:func:`finite_pool_bound`), does: one cache of all the
+workers' pools together that evicts offline-optimally (Belady), also a bound on
+every router.
 
 Each run writes ``watch-<router>.log`` to ``--log-dir`` (workers' running /
 waiting requests, free KV, the routers' in-flight gauge every 10 s, ``STALLED``
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import os
 import random
@@ -91,6 +95,52 @@ def infinite_cache_bound(prompts: list[list[int]]) -> tuple[int, int]:
             n += 1
         cached += n * PAGE
         seen.update(page_keys(ids))
+    return cached, total
+
+
+def finite_pool_bound(prompts: list[list[int]], pool_tokens: int) -> tuple[int, int]:
+    """``(cached, prompt tokens)``: the most any router could have got with the workers' KV pools as
+    they were, not infinite: one page-``PAGE`` radix cache of ``pool_tokens`` (every worker's pool
+    together) that sees the requests in order and evicts offline-optimally.
+
+    Why it bounds every router: at any moment the pages the separate workers hold fit, de-duplicated,
+    in one pool of their summed size, and a request that hits on its worker would hit there too; so
+    the hits of any routing and any eviction are the page hits of *some* schedule of one such pool.
+    Among those, Belady's rule (evict the page whose next use lies farthest ahead; a new prompt's pages
+    may be evicted at once) gets the most page hits (Belady 1966, for pages of one size).  A page's
+    prefix pages are used by every request that uses it, so none is used later than it; with ties
+    broken towards the deeper page the pool stays a tree, and its page hits are prefix hits, as an
+    engine counts them.  What it leaves out (so real fleets stay further below it): the pages running
+    requests pin, their decode tokens, and requests that arrive while an earlier one with the same
+    prefix is still in prefill.  O(pages x log pages)."""
+    cap = max(0, pool_tokens // PAGE)
+    lookups = [page_keys(ids[:-1]) for ids in prompts]
+    inserts = [page_keys(ids) for ids in prompts]
+    never = len(prompts)  # "no later use"
+    later: list[list[int]] = [[]] * len(prompts)  # later[i][d]: next request after i that looks up inserts[i][d]
+    upcoming: dict[int, int] = {}
+    for i in range(len(prompts) - 1, -1, -1):
+        later[i] = [upcoming.get(k, never) for k in inserts[i]]
+        for k in lookups[i]:
+            upcoming[k] = i
+    held: dict[int, int] = {}  # page key -> its next use
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, key); stale entries skipped
+    cached = total = 0
+    for i, ids in enumerate(prompts):
+        total += len(ids)
+        n = 0
+        for k in lookups[i]:
+            if k not in held:
+                break
+            n += 1
+        cached += n * PAGE
+        for depth, (k, nxt) in enumerate(zip(inserts[i], later[i])):
+            held[k] = nxt
+            heapq.heappush(heap, (-nxt, -depth, k))
+        while len(held) > cap:
+            nxt, _, k = heapq.heappop(heap)
+            if held.get(k) == -nxt:
+                del held[k]
     return cached, total
 
 
@@ -388,10 +438,12 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
     c2, t2 = split_cache_bound(prompts, direct_to)
     s["split_bound_hit_rate"] = c2 / t2 if t2 else 0.0
     s["bound_token_mismatch"] = sum(1 for r, p in zip(order, prompts) if len(p) != r.prompt_tokens)
+    c3, t3 = finite_pool_bound(prompts, rx["streams"] * a.max_total_tokens)  # every worker's (rank's) pool
+    s["pool_bound_hit_rate"] = c3 / t3 if t3 else 0.0
     pred = s["prediction"]
     mae = f"{pred['abs_sum'] / pred['count']:.0f}" if pred and pred["count"] else "-"
     print(f"  {label:<30} hit {s['cache_hit_rate']:6.1%} (bound {s['bound_hit_rate']:.1%}, "
-          f"own-worker bound {s['split_bound_hit_rate']:.1%})  "
+          f"own-worker bound {s['split_bound_hit_rate']:.1%}, pool bound {s['pool_bound_hit_rate']:.1%})  "
           f"{s['request_throughput']:7.2f} req/s  TTFT p50 {s['ttft_s']['p50'] * 1e3:7.1f} p90 "
           f"{s['ttft_p90_s'] * 1e3:7.1f} p99 {s['ttft_s']['p99'] * 1e3:7.1f} ms{_split_p90(s)}  MAE {mae}  "
           f"failed {s['failed']}  branches {branches}  sim late {s['sim_late_share']:.1%}  (wall {wall:.0f} s)",
@@ -543,7 +595,10 @@ def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
         "earlier prompt starts with); no router can beat it. **own-worker bound** (tables with direct "
         "traffic): the same, except that a direct request hits only prompts that were routed (a router could "
         "have put them on its worker) or sent straight to *its own* worker earlier; a tighter bound that "
-        "still holds for every router (`split_cache_bound`). Neither bound knows the KV pool is finite. "
+        "still holds for every router (`split_cache_bound`). Neither bound knows the KV pool is finite; the "
+        "**pool bound** (the rate tables, and each run's log line) does: one cache of every worker's pool "
+        "together that evicts offline-optimally (Belady's rule, `finite_pool_bound`), also a bound on every "
+        "router. "
         "**sim late**: wall time the workers' steps ran past their modelled end, as a share of their modelled "
         "busy time (the 2 CPU cores could not keep up; a few % is harmless, tens of % inflate TTFT for every "
         "row alike). **load avg**: the machine's 1-minute load average when the row ended. "

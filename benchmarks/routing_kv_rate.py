@@ -428,7 +428,7 @@ def routed_p90_cells(r: dict, ref: dict | None) -> str:
 
 def rate_table(res: dict) -> str:
     """Markdown: one row per (rate, router), in rate order, with kv_aware's p90 over cache_aware's."""
-    head = ("| rate (req/s) | run | window (s) | router | hit rate | bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
+    head = ("| rate (req/s) | run | window (s) | router | hit rate | bound | pool bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
             "p90 / cache_aware's | routed p90 (ms) | routed p90 / cache_aware's | req/s | backlog mid / end / peak | workers waiting max | busy | "
             "failed | sim late | load avg |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -442,12 +442,13 @@ def rate_table(res: dict) -> str:
                        None)  # the same repeat's cache_aware row
             q = r["queue"]
             bound = f"{r['bound_hit_rate']:.1%}" if "bound_hit_rate" in r else "-"
+            pool = f"{r['pool_bound_hit_rate']:.1%}" if "pool_bound_hit_rate" in r else "-"  # older results: none
             ratio = (f"{r['ttft_p90_s'] / ref['ttft_p90_s']:.2f}x"
                      if ref and ref.get("ttft_p90_s") and r.get("ttft_p90_s") else "-")
             p90 = f"{r['ttft_p90_s'] * 1e3:.0f}" if r.get("ttft_p90_s") else "-"
             out.append(
                 f"| {rate:.1f} | {r.get('rep', 0) + 1} | {q['window_s']:.1f} | {r['label']} | {r['cache_hit_rate']:.1%} | "
-                f"{bound} | "
+                f"{bound} | {pool} | "
                 f"{r['ttft_s']['p50'] * 1e3:.0f} | {p90} | {r['ttft_s']['p99'] * 1e3:.0f} | {ratio} | "
                 f"{routed_p90_cells(r, ref)} "
                 f"{r['request_throughput']:.1f} | {q['mid']} / {q['end']} / {q['peak']} | "

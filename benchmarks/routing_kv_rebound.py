@@ -4,14 +4,20 @@ The kv results JSON (``benchmarks/results/<section>.json``) keeps, per router ro
 send time, worker, prompt and cached tokens and whether it went straight to a worker. The requests
 themselves are seeded, so this script rebuilds them from the same workload flags, tokenizes them as
 the run did (SmolLM2's tokenizer, the chat template) and reports for each row: the measured hit rate,
-the infinite-cache bound, the own-worker bound (:func:`routing_kv.split_cache_hits`), and the same
-three for the routed and the direct requests apart. Prompt lengths are checked against the workers'
+the infinite-cache bound, the own-worker bound (:func:`routing_kv.split_cache_hits`), with
+``--pool-tokens`` the finite-pool bound (:func:`routing_kv.finite_pool_bound`: every worker's pool of that
+many tokens together, offline-optimal eviction), and the measured hit rate and own-worker bound for the
+routed and the direct requests apart.  A rate-experiment file (``kv --rates``: the table at the top
+level, a rate per row) is read as well; its scenario argument is then ignored. Prompt lengths are checked against the workers'
 reports (``token mismatch`` counts the requests that differ; 0 means the rebuild is exact).
 
 Usage::
 
     python benchmarks/routing_kv_rebound.py benchmarks/results/routing-kv-split.json foreign \\
         --conversations 24 --turns 5
+    python benchmarks/routing_kv_rebound.py benchmarks/results/routing-kv-rate-foreign-band.json foreign \
+        --conversations 200 --turns 4 --system-prompt-len 2048 --question-len 384 --output-len 16 \
+        --pool-tokens 40000
 """
 
 from __future__ import annotations
@@ -35,19 +41,25 @@ def main() -> None:
     p.add_argument("--turns", type=int, required=True)
     p.add_argument("--question-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--system-prompt-len", type=int, default=0, help="the run's --mt-system-len")
+    p.add_argument("--pool-tokens", type=int, default=0,
+                   help="the run's --max-total-tokens (per worker or DP rank): adds the finite-pool bound")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     from fleetserve.models.tokenizer import tokenizer_dir
     from fleetserve.router.kv_events.tokenize import RouterTokenizer
 
-    t = json.loads(Path(a.results).read_text())[a.scenario]
+    t = json.loads(Path(a.results).read_text())
+    t = t if "rows" in t else t[a.scenario]  # a rate-experiment file holds one table at the top level
     if t["workload"] != "multi_turn":
         sys.exit("only multi_turn tables are rebuilt (the direct-traffic and replica tables)")
     bargs = bench_cli.build_parser().parse_args(
         ["--workload", "multi_turn", "--num-conversations", str(a.conversations), "--num-turns", str(a.turns),
          "--question-len", str(a.question_len), "--output-len", str(a.output_len),
-         "--multi-turn-replies", "synthetic", "--seed", str(a.seed), "--request-rate", str(t["rate"])])
-    reqs = {q.rid: q for q in bench_cli.workload_from_args(bargs)}
+         "--multi-turn-replies", "synthetic", "--system-prompt-len", str(a.system_prompt_len),
+         "--seed", str(a.seed), "--request-rate", str(t.get("rate") or t["rows"][0]["rate"])])
+    reqs = {q.rid: q for q in bench_cli.workload_from_args(bargs)}  # the rate only scales arrival times
+    caches = t["workers"] * t.get("dp", 1)
     tok = RouterTokenizer(tokenizer_dir())
     for row in t["rows"]:
         recs = sorted(row["requests"], key=lambda r: r["start"])
@@ -64,8 +76,12 @@ def main() -> None:
                 parts[kind] = (sum(recs[i]["cached"] for i in idx) / n, sum(own[i] for i in idx) / n, n)
         hit = sum(r["cached"] for r in recs) / sum(r["prompt"] for r in recs)
         mism = sum(1 for r, q in zip(recs, prompts) if len(q) != r["prompt"])
-        print(f"{row['label']:<30} hit {hit:6.1%}  bound {inf_c / total:6.1%}  own-worker bound "
-              f"{sum(own) / total:6.1%}  token mismatch {mism}")
+        pool = ""
+        if a.pool_tokens:
+            pool_c, _ = rk.finite_pool_bound(prompts, caches * a.pool_tokens)
+            pool = f"  pool bound {pool_c / total:6.1%}"
+        print(f"{row['label']:<30} run {row.get('rep', 0) + 1}  hit {hit:6.1%}  bound {inf_c / total:6.1%}  "
+              f"own-worker bound {sum(own) / total:6.1%}{pool}  token mismatch {mism}")
         for kind, (h, b, n) in parts.items():
             print(f"    {kind:<7} hit {h:6.1%}  own-worker bound {b:6.1%}  ({n} prompt tokens)")
 

@@ -82,3 +82,31 @@ def test_split_bound_never_above_the_infinite_one(rk):
         c2, t2 = rk.split_cache_bound(prompts, dest)
         c1, t1 = rk.infinite_cache_bound(prompts)
         assert t1 == t2 and c2 <= c1
+
+
+def test_a_pool_that_holds_everything_is_the_infinite_bound(rk):
+    rng = random.Random(5)
+    prompts = [SYS[:rng.choice([16, 32, 64])] + seq(rng.randrange(4) * 100, rng.randrange(1, 70)) for _ in range(60)]
+    assert rk.finite_pool_bound(prompts, 10**6) == rk.infinite_cache_bound(prompts)
+    assert rk.finite_pool_bound(prompts, 0) == (0, sum(len(p) for p in prompts))
+
+
+def test_the_pool_keeps_the_prompt_that_comes_back_and_drops_the_one_that_does_not(rk):
+    a = SYS + [1]  # 4 whole pages looked up, 4 inserted
+    b = seq(5000, 64) + [2]  # 4 other pages, never used again
+    # a pool of 4 pages: LRU would keep b and miss a's return; the bound keeps a (b's pages go at once)
+    assert rk.finite_pool_bound([a, b, a], 4 * 16) == (4 * 16, 3 * 65)
+    assert rk.finite_pool_bound([a, b, a], 3 * 16) == (3 * 16, 3 * 65)  # room for 3 of a's: its first 3
+    # two conversations on one system prompt and a pool of 5 pages: the shared 4 stay, plus one own page
+    c, d = SYS + seq(1, 16) + [3], SYS + seq(100, 16) + [4]
+    assert rk.finite_pool_bound([c, d, c, d], 5 * 16) == ((4 + 5 + 4) * 16, 4 * 81)
+
+
+def test_the_pool_bound_never_exceeds_the_infinite_one_and_grows_with_the_pool(rk):
+    rng = random.Random(11)
+    for _ in range(20):
+        prompts = [SYS[:rng.choice([0, 16, 48])] + seq(rng.randrange(3) * 100, rng.randrange(1, 50))
+                   for _ in range(rng.randrange(2, 30))]
+        inf = rk.infinite_cache_bound(prompts)[0]
+        got = [rk.finite_pool_bound(prompts, pages * 16)[0] for pages in (1, 2, 4, 8, 16, 64)]
+        assert got == sorted(got) and got[-1] <= inf

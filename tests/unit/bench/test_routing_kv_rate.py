@@ -143,8 +143,10 @@ def test_rate_table_pairs_each_repeat_with_its_own_cache_aware_row(rr):
     body = lines[2:]
     assert [ln.split(" | ")[1] for ln in body] == ["1", "1", "2", "2"]  # repeat 1's rows, then repeat 2's
     kv1, kv2 = body[1].split(" | "), body[3].split(" | ")
-    assert kv1[3:6] == ["kv_aware", "68.0%", "70.0%"] and kv1[9] == "0.10x"  # 0.1 / 1.0 of its own repeat
-    assert kv2[9] == "0.15x"  # 0.3 / 2.0, not over repeat 1's cache_aware
+    assert kv1[3:7] == ["kv_aware", "68.0%", "70.0%", "-"] and kv1[10] == "0.10x"  # 0.1 / 1.0 of its own repeat
+    assert kv2[10] == "0.15x"  # 0.3 / 2.0, not over repeat 1's cache_aware
+    pooled = dict(rows[1], pool_bound_hit_rate=0.425)
+    assert rr.rate_table({"rows": [pooled]}).splitlines()[2].split(" | ")[5:7] == ["70.0%", "42.5%"]
     old = _row("kv_aware", 60.0, 0, 0.1)
     del old["rep"], old["bound_hit_rate"]  # a results file from before the columns: still renders
     assert " | - | " in rr.rate_table({"rows": [old]}).splitlines()[2]
