@@ -7,17 +7,16 @@ the run did (SmolLM2's tokenizer, the chat template) and reports for each row: t
 the infinite-cache bound, the own-worker bound (:func:`routing_kv.split_cache_hits`), with
 ``--pool-tokens`` the finite-pool bound (:func:`routing_kv.finite_pool_bound`: every worker's pool of that
 many tokens together, offline-optimal eviction), and the measured hit rate and own-worker bound for the
-routed and the direct requests apart.  A rate-experiment file (``kv --rates``: the table at the top
-level, a rate per row) is read as well; its scenario argument is then ignored. Prompt lengths are checked against the workers'
+routed and the direct requests apart.  Rate-experiment files (``kv --rates``) keep no per-request
+records, so they are refused with a message; their pool bound is computed while they run. Prompt lengths are checked against the workers'
 reports (``token mismatch`` counts the requests that differ; 0 means the rebuild is exact).
 
 Usage::
 
     python benchmarks/routing_kv_rebound.py benchmarks/results/routing-kv-split.json foreign \\
         --conversations 24 --turns 5
-    python benchmarks/routing_kv_rebound.py benchmarks/results/routing-kv-rate-foreign-band.json foreign \
-        --conversations 200 --turns 4 --system-prompt-len 2048 --question-len 384 --output-len 16 \
-        --pool-tokens 40000
+    python benchmarks/routing_kv_rebound.py benchmarks/results/routing-kv-split.json foreign \\
+        --conversations 24 --turns 5 --pool-tokens 16000
 """
 
 from __future__ import annotations
@@ -50,14 +49,16 @@ def main() -> None:
     from fleetserve.router.kv_events.tokenize import RouterTokenizer
 
     t = json.loads(Path(a.results).read_text())
-    t = t if "rows" in t else t[a.scenario]  # a rate-experiment file holds one table at the top level
+    if "rows" in t:  # a rate-experiment file: one table at the top level, no requests kept
+        sys.exit(f"{a.results}: a rate-experiment file keeps no per-request records; nothing to rebuild")
+    t = t[a.scenario]
     if t["workload"] != "multi_turn":
         sys.exit("only multi_turn tables are rebuilt (the direct-traffic and replica tables)")
     bargs = bench_cli.build_parser().parse_args(
         ["--workload", "multi_turn", "--num-conversations", str(a.conversations), "--num-turns", str(a.turns),
          "--question-len", str(a.question_len), "--output-len", str(a.output_len),
          "--multi-turn-replies", "synthetic", "--system-prompt-len", str(a.system_prompt_len),
-         "--seed", str(a.seed), "--request-rate", str(t.get("rate") or t["rows"][0]["rate"])])
+         "--seed", str(a.seed), "--request-rate", str(t["rate"])])
     reqs = {q.rid: q for q in bench_cli.workload_from_args(bargs)}  # the rate only scales arrival times
     caches = t["workers"] * t.get("dp", 1)
     tok = RouterTokenizer(tokenizer_dir())
