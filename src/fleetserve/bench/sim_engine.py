@@ -39,11 +39,19 @@ With ``page_size > 1`` (``--page-size``) slots come in whole pages, matches
 are rounded down to whole pages and the tree takes only whole pages: a
 request's partial last page (prompt tail, then outputs) stays its own and is
 freed when it finishes, as in the engine.
+
+Failure: if a step raises (a bug, or input no check caught), the loop stops for
+good as a crashed scheduler does: :attr:`SimEngine.error` names the exception,
+every queued, prefilling and running request ends with ``SimRequest.error`` set
+(its events end), and :meth:`SimEngine.submit` refuses new ones with
+:class:`SimEngineError`, so the worker answers 503 and ``/health`` fails
+instead of hanging every request after the one that broke it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,9 +64,15 @@ from fleetserve.engine.load_report import ThroughputMeter
 from fleetserve.engine.radix_cache import RadixCache
 from fleetserve.engine.schedule_policy import LPM_MAX_QUEUE, defer_for_in_batch_share
 
+log = logging.getLogger(__name__)
+
 
 class RequestTooLong(ValueError):
     """The prompt plus ``max_new_tokens`` cannot fit in the KV pool."""
+
+
+class SimEngineError(RuntimeError):
+    """The engine's loop failed (see :attr:`SimEngine.error`): it takes no request and finishes none."""
 
 
 @dataclass
@@ -83,6 +97,7 @@ class SimRequest:
     sent: int = 0
     aborted: bool = False
     finished: bool = False
+    error: str | None = None  # set (with a last, finishing event) when the engine's loop failed
     _node: object = None
     _prefix_slots: torch.Tensor | None = None
     _own_slots: torch.Tensor | None = None
@@ -115,11 +130,13 @@ class SimEngine:
         self.gen_meter = ThroughputMeter()
         self.prefill_meter = ThroughputMeter()  # uncached prompt tokens, for /v1/loads prefill_throughput
         self.idle = False  # True while the loop waits for work (nothing queued, running or in a prefill step)
+        self.prefilling: list[SimRequest] = []  # admitted, in the current prefill step
+        self.error: str | None = None  # what stopped the loop, once it failed
 
     # ------------------------------------------------------------------ API
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"sim-engine-{self.name}")
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-engine-{self.name}")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -133,7 +150,14 @@ class SimEngine:
             self.event_sink.shutdown()
 
     def submit(self, req: SimRequest) -> None:
-        """Queue ``req``. Raises :class:`RequestTooLong` if it can never fit."""
+        """Queue ``req``.
+
+        Raises:
+            RequestTooLong: it can never fit.
+            SimEngineError: the loop has failed.
+        """
+        if self.error is not None:
+            raise SimEngineError(f"the simulated engine {self.name!r} stopped: {self.error}")
         if len(req.input_ids) + req.max_new_tokens > self.capacity:
             raise RequestTooLong(f"prompt ({len(req.input_ids)} tokens) + max_tokens ({req.max_new_tokens}) "
                                  f"exceeds the KV capacity ({self.capacity} tokens)")
@@ -196,6 +220,23 @@ class SimEngine:
         )
 
     # ------------------------------------------------------------- scheduling
+    async def _run(self) -> None:
+        """:meth:`_loop`, and on its failure: record it, end every request it held (see the module doc)."""
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- any failure stops the engine; say so rather than hang
+            self.error = f"{type(e).__name__}: {e}"
+            log.exception("simulated engine %r stopped", self.name)
+            held = {id(r): r for r in [*self.waiting, *self.prefilling, *self.running]}
+            self.waiting.clear()
+            self.prefilling, self.running = [], []
+            for r in held.values():
+                if not r.finished:
+                    r.error, r.finished = self.error, True
+                    r.events.put_nowait(([], [], True))
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -208,7 +249,7 @@ class SimEngine:
                 self.idle = False
                 continue
             t0 = loop.time()
-            new = self._admit()
+            new = self.prefilling = self._admit()
             if new:
                 uncached = sum(len(r.input_ids) - r.cached_tokens for r in new)
                 dur = self.model.prefill_time(uncached)
@@ -218,6 +259,7 @@ class SimEngine:
                     self._cache_prompt(r)
                     self._emit(r, 1)
                 self.running.extend(r for r in new if not r.finished)
+                self.prefilling = []
             elif self.running:
                 ctx = sum(len(r.input_ids) + r.generated for r in self.running)
                 dur = self.model.decode_time(len(self.running), ctx)
@@ -248,39 +290,42 @@ class SimEngine:
     def _admit(self) -> list[SimRequest]:
         """Take waiting requests (lpm order) while slots, KV and the prefill budget allow."""
         new: list[SimRequest] = []
+        self.prefilling = new  # so a failure part way leaves none of them unaccounted for (_run)
         budget = self.model.chunked_prefill_size
         if 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             lens = {id(r): int(self.cache.match_prefix(r.input_ids[:-1])[0].numel()) for r in self.waiting}
             self.waiting = deque(sorted(self.waiting, key=lambda r: (-lens[id(r)], r.arrival)))
         skipped: list[SimRequest] = []
-        while self.waiting and len(self.running) + len(new) < self.model.max_running_requests:
-            r = self.waiting[0]
-            slots, node = self.cache.match_prefix(r.input_ids[:-1])
-            cached = int(slots.numel())
-            uncached = len(r.input_ids) - cached
-            if new:
-                if defer_for_in_batch_share(r.input_ids, cached, [q.input_ids for q in new]):  # the engine's rule
-                    skipped.append(self.waiting.popleft())  # reuse that prefill next step
-                    continue
-                if uncached > budget:
+        try:
+            while self.waiting and len(self.running) + len(new) < self.model.max_running_requests:
+                r = self.waiting[0]
+                slots, node = self.cache.match_prefix(r.input_ids[:-1])
+                cached = int(slots.numel())
+                uncached = len(r.input_ids) - cached
+                if new:
+                    if defer_for_in_batch_share(r.input_ids, cached, [q.input_ids for q in new]):  # the engine's rule
+                        skipped.append(self.waiting.popleft())  # reuse that prefill next step
+                        continue
+                    if uncached > budget:
+                        break
+                self.cache.inc_lock_ref(node)
+                need = uncached + r.max_new_tokens
+                short = need + (-need) % self.allocator.page_size - self.allocator.available_size()
+                if short > 0:
+                    self.cache.evict(short)
+                own = self.allocator.alloc(need)
+                if own is None:
+                    self.cache.dec_lock_ref(node)
                     break
-            self.cache.inc_lock_ref(node)
-            need = uncached + r.max_new_tokens
-            short = need + (-need) % self.allocator.page_size - self.allocator.available_size()
-            if short > 0:
-                self.cache.evict(short)
-            own = self.allocator.alloc(need)
-            if own is None:
-                self.cache.dec_lock_ref(node)
-                break
-            self.waiting.popleft()
-            r.cached_tokens, r._node, r._prefix_slots, r._own_slots = cached, node, slots, own
-            self.stats["num_requests"] += 1
-            self.stats["prompt_tokens"] += len(r.input_ids)
-            self.stats["cached_tokens"] += cached
-            budget -= uncached
-            new.append(r)
-        self.waiting.extendleft(reversed(skipped))
+                self.waiting.popleft()
+                r.cached_tokens, r._node, r._prefix_slots, r._own_slots = cached, node, slots, own
+                self.stats["num_requests"] += 1
+                self.stats["prompt_tokens"] += len(r.input_ids)
+                self.stats["cached_tokens"] += cached
+                budget -= uncached
+                new.append(r)
+        finally:  # deferred ones go back to the front, even if a step above raised
+            self.waiting.extendleft(reversed(skipped))
         return new
 
     def _cache_prompt(self, r: SimRequest) -> None:

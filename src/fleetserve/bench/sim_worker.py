@@ -52,7 +52,7 @@ from aiohttp import web
 
 from fleetserve.bench import timing_model
 from fleetserve.bench.sim_args import build_parser, check_args
-from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimRequest
+from fleetserve.bench.sim_engine import RequestTooLong, SimEngine, SimEngineError, SimRequest
 from fleetserve.bench.sim_tokenizer import make_tokenizer
 from fleetserve.engine.kv_events.config import parse_kv_events_config
 from fleetserve.engine.kv_events.publisher import make_publisher
@@ -65,7 +65,7 @@ from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, Comple
 from fleetserve.entrypoints.ports import port_range_error
 from fleetserve.entrypoints.request_parse import parse_model
 from fleetserve.entrypoints.server_info import router_discovery_fields
-from fleetserve.entrypoints.validation import chat_sampling, completion_sampling, native_sampling
+from fleetserve.entrypoints.validation import check_input_ids, chat_sampling, completion_sampling, native_sampling
 
 WORKER_HEADER = "X-Fleetserve-Worker"
 
@@ -79,6 +79,11 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 def _api_error(e: APIError) -> web.Response:
     """The engine's error body for ``e`` (``fleetserve.entrypoints.errors.APIError``), same status."""
     return web.json_response(e.to_dict(), status=e.status)
+
+
+def _unavailable(e: SimEngineError) -> APIError:
+    """The engine's answer when its scheduler is gone: 503 ``engine_unavailable``."""
+    return APIError(str(e), 503, None, "engine_unavailable")
 
 
 class SimWorker:
@@ -111,6 +116,11 @@ class SimWorker:
 
     # ----------------------------------------------------------- small routes
     async def health(self, _req: web.Request) -> web.Response:
+        """200 ``OK``; 503 ``engine_unavailable`` (the engine's answer) once a rank's loop has failed."""
+        dead = next((e for e in self.engines if e.error is not None), None)
+        if dead is not None:
+            return _api_error(_unavailable(SimEngineError(f"the simulated engine {dead.name!r} stopped: "
+                                                          f"{dead.error}")))
         return web.Response(text="OK", headers={WORKER_HEADER: self.engine.name})
 
     async def models(self, _req: web.Request) -> web.Response:
@@ -257,7 +267,7 @@ class SimWorker:
                 ids = self.tok.encode(prompt)
             elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                              for t in prompt):
-                ids = list(prompt)
+                ids = check_input_ids(prompt, self.tok.vocab_size, "prompt")  # the engine's 400 for a bad id
             else:
                 raise ValueError("prompt must be a non-empty string or a list of token ids")
             # the engine's own checks of the sampling values (entrypoints/validation.py)
@@ -300,7 +310,7 @@ class SimWorker:
                 ids = self.tok.encode(body["text"])
             elif isinstance(body.get("input_ids"), list) and body["input_ids"] and all(
                     isinstance(t, int) and not isinstance(t, bool) for t in body["input_ids"]):
-                ids = list(body["input_ids"])
+                ids = check_input_ids(body["input_ids"], self.tok.vocab_size, "input_ids")
             else:
                 raise ValueError("give text (a string) or input_ids (a non-empty list of ints)")
             sp = body.get("sampling_params") or {}
@@ -320,8 +330,12 @@ class SimWorker:
             for i, r in enumerate(reqs):  # as _serve_openai: the n samples share the prompt on one rank
                 r.events = _Tagged(events, i)
                 eng.submit(r)
-        except (RequestTooLong, ValueError) as e:
+        except RequestTooLong as e:  # the engine's code for a request longer than its room
+            return _api_error(APIError(str(e), 400, None, "context_length_exceeded"))
+        except ValueError as e:
             return _error(400, str(e))
+        except SimEngineError as e:
+            return _api_error(_unavailable(e))
         headers = {WORKER_HEADER: self.engine.name}
 
         def result(r: SimRequest, done: bool) -> dict:
@@ -337,8 +351,11 @@ class SimWorker:
         # sample order; streamed, every event is one sample's result so far with its "index"
         if not body.get("stream"):
             left = n
-            while left:
-                left -= (await next_event())[3]
+            try:
+                while left:
+                    left -= (await next_event())[3]
+            except SimEngineError as e:
+                return _api_error(_unavailable(e))
             results = [result(r, True) for r in reqs]
             return web.json_response(results if n > 1 else results[0], headers=headers)
         resp = await self._start_sse(req, headers)
@@ -352,21 +369,13 @@ class SimWorker:
                 await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
                 left -= done
             await resp.write(b"data: [DONE]\n\n")
+        except SimEngineError as e:  # the engine's way: a last error event and no [DONE]
+            await _write_error_event(resp, e)
         except (ConnectionResetError, asyncio.CancelledError):
             for r in reqs:
                 eng.abort(r)
             raise
         return resp
-
-    async def _drain(self, r: SimRequest, engine: SimEngine) -> None:
-        try:
-            while True:
-                _ids, _pieces, done = await r.events.get()
-                if done:
-                    return
-        except asyncio.CancelledError:
-            engine.abort(r)
-            raise
 
     async def _start_sse(self, req: web.Request, headers: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -392,8 +401,12 @@ class SimWorker:
             for i, r in enumerate(reqs):  # the same prompt each: the first refused means none was queued
                 r.events = _Tagged(events, i)
                 eng.submit(r)
-        except (RequestTooLong, ValueError) as e:
+        except RequestTooLong as e:  # the engine's code for a request longer than its room
+            return _api_error(APIError(str(e), 400, None, "context_length_exceeded"))
+        except ValueError as e:
             return _error(400, str(e))
+        except SimEngineError as e:
+            return _api_error(_unavailable(e))
         headers = {WORKER_HEADER: self.engine.name}
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].rid
@@ -408,8 +421,11 @@ class SimWorker:
 
         if not body.get("stream"):
             left = n
-            while left:
-                left -= (await next_event())[3]
+            try:
+                while left:
+                    left -= (await next_event())[3]
+            except SimEngineError as e:
+                return _api_error(_unavailable(e))
             choices = []
             for i, r in enumerate(reqs):
                 text = "".join(r.output_pieces[:r.sent])
@@ -448,6 +464,8 @@ class SimWorker:
             if include_usage:
                 await send([], usage=usage(), worker_id=self.engine.name)
             await resp.write(b"data: [DONE]\n\n")
+        except SimEngineError as e:  # the engine's way: a last error event and no [DONE]
+            await _write_error_event(resp, e)
         except (ConnectionResetError, asyncio.CancelledError):
             for r in reqs:
                 eng.abort(r)
@@ -455,16 +473,26 @@ class SimWorker:
         return resp
 
 
+async def _write_error_event(resp: web.StreamResponse, e: SimEngineError) -> None:
+    """End a stream cut short by a failed engine as the engine does: ``{"error": ...}`` (503's body), no ``[DONE]``."""
+    await resp.write(b"data: " + json.dumps(_unavailable(e).to_dict()).encode() + b"\n\n")
+
+
 def _event_reader(events: asyncio.Queue, eng, reqs: list):
     """``await next_event()`` for one HTTP request's samples: the next tagged event from ``events``;
-    if the client goes away (the task is cancelled) every sample in ``reqs`` is aborted first."""
+    if the client goes away (the task is cancelled) every sample in ``reqs`` is aborted first.
+    Raises :class:`SimEngineError` for a sample the failed engine ended (``SimRequest.error``)."""
     async def next_event() -> tuple:
         try:
-            return await events.get()
+            event = await events.get()
         except asyncio.CancelledError:
             for r in reqs:
                 eng.abort(r)
             raise
+        failed = reqs[event[0]].error
+        if failed is not None:
+            raise SimEngineError(f"the simulated engine stopped while generating this request: {failed}")
+        return event
     return next_event
 
 

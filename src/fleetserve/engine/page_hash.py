@@ -32,14 +32,18 @@ def page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None =
         One 32-byte SHA-256 digest per page, ``ceil(len(token_ids) / page_size)`` of them.
 
     Raises:
-        struct.error: a token id outside ``[0, 2**32)``.
+        ValueError: a token id outside ``[0, 2**32)`` (or not an int); the message names it.
     """
     out: list[bytes] = []
     n = len(token_ids)
     for start in range(0, n, page_size):
         page = token_ids[start: start + page_size]
         h = hashlib.sha256(prior) if prior else hashlib.sha256()
-        h.update(struct.pack(f"<{len(page)}I", *page))
+        try:
+            h.update(struct.pack(f"<{len(page)}I", *page))
+        except struct.error:
+            bad = next((t for t in page if not isinstance(t, int) or not 0 <= t < 1 << 32), page)
+            raise ValueError(f"token id {bad!r} cannot be hashed: page hashes take ids in [0, 2**32)") from None
         prior = h.digest()
         out.append(prior)
     return out

@@ -156,6 +156,10 @@ class CacheAwarePolicy:
         # the last decision, for the route header and the prediction metric (route_header.py):
         # (branch, characters of the text the chosen worker held before the insert)
         self.last = ("miss", 0)
+        # the tree entry of the last decision, ``(text, worker url, claim)`` (RadixTree.insert's), or None:
+        # the proxy resets it before each decision and takes the entry back when the worker refuses the
+        # request (4xx or busy), so the tree does not claim a prompt the worker never cached
+        self.last_claim = None
 
     def select(self, workers: list[Worker], text: str, retry: bool = False) -> Worker | None:
         if not workers:
@@ -182,7 +186,7 @@ class CacheAwarePolicy:
                         self.hits += 1
                         chosen = best
                         self.last = ("hit", matched)
-                    tree.insert(text, chosen.url)
+                    self.last_claim = (text, chosen.url, tree.insert(text, chosen.url))
                     return chosen
         self.misses += 1
         chosen = self._miss_target(workers)
@@ -190,7 +194,7 @@ class CacheAwarePolicy:
             chosen = least_loaded(workers, tree)  # only with smallest_tree: that worker is too busy
         if text:
             self.last = ("miss", tree.prefix_match_tenant(text, chosen.url))
-            tree.insert(text, chosen.url)
+            self.last_claim = (text, chosen.url, tree.insert(text, chosen.url))
         else:
             self.last = ("miss", 0)
         return chosen
@@ -227,7 +231,7 @@ class CacheAwarePolicy:
         else:
             self.last = ("hit", per.get(chosen.url, 0))
         if text:
-            tree.insert(text, chosen.url)
+            self.last_claim = (text, chosen.url, tree.insert(text, chosen.url))
         return chosen
 
     def on_worker_removed(self, url: str) -> None:

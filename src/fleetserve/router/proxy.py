@@ -158,6 +158,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
     policy = router.policy
     headers = _passed_on_lines(request)
     mig = migration.start(router, path, parsed, text, headers, session) if stream and parsed is not None else None
+    tree = getattr(policy, "tree", None)  # cache_aware, kv_aware: a refused request's entry is taken back
     tried: list[Worker] = []
     failure: Response | None = None
     attempt = 0
@@ -170,6 +171,8 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
             if fresh:
                 workers = fresh
         worker = None
+        if tree is not None:
+            policy.last_claim = None
         if session is not None and not tried:
             worker = router.sessions.select(session, workers, text, policy)
         by_session = worker is not None
@@ -194,7 +197,9 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
             body, hdrs = request.body, headers
             value, predicted = route_of(policy, worker, text, by_session)
             shown = () if cfg.no_route_header else ((HEADER, value),)
-        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, predicted, mig, text)
+        claim = policy.last_claim if tree is not None else None
+        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, predicted, mig, text,
+                                claim)
         kind = type(result)
         if kind is not _Retry and kind is not _Busy:
             return result
@@ -215,12 +220,14 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
 
 async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool,
                    body: bytes | None = None, shown=(), predicted: int | None = None,
-                   mig: migration.Migration | None = None, key=None):
+                   mig: migration.Migration | None = None, key=None, claim=None):
     """One upstream attempt: the client's response, None once streamed, or a :class:`_Retry`.
 
     ``predicted``: the policy's predicted cached tokens, compared with the engine's report
     in a 200 answer (:mod:`.prediction`); None: no guess to judge.  ``key``: the routing key,
     given to the policy's ``answered`` with a 200 answer (kv_aware: the tokenizer check).
+    ``claim``: the policy's tree entry for this decision (``policy.last_claim``), taken back when
+    the worker refuses the request (4xx or busy: it never reached that worker's cache).
 
     ``worker.load`` is held from before the send until this returns, whatever happens
     (answer, error, timeout, or cancellation when the client goes away).
@@ -234,6 +241,8 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
         try:
             resp = await router.pool.post(worker.url, path, request.body if body is None else body, headers)
             status = resp.status
+            if claim is not None and (400 <= status < 500 or status in BUSY_STATUSES):
+                router.policy.tree.retract(*claim)
             if status in BUSY_STATUSES:
                 # not a failure: the circuit breaker is left as it is, so the worker gets traffic again
                 # the moment it has room; the answer (status, body, Retry-After) is kept for the client

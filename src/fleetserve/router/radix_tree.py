@@ -94,11 +94,17 @@ class RadixTree:
         return dict(self._sizes)
 
     # ----------------------------------------------------------------- insert
-    def insert(self, text: str, tenant: str) -> None:
-        """Record that ``text`` was sent to ``tenant``.  Empty text is ignored."""
+    def insert(self, text: str, tenant: str) -> tuple[int, int] | None:
+        """Record that ``text`` was sent to ``tenant``.  Empty text is ignored (returns None).
+
+        Returns the claim ``(stamp, fresh)`` for :meth:`retract`: this insert's clock value and the
+        number of leading characters of ``text`` the tenant held before it (``len(text)``: it added
+        nothing).
+        """
         if not text:
-            return
+            return None
         now = next(self._clock)
+        fresh = -1
         sizes = self._sizes
         added = 0
         node = self._root
@@ -108,6 +114,8 @@ class RadixTree:
         if walked is not None and walked[0] is text and walked[1] == self._shape:
             for child in walked[2]:  # as the loop below would take them: each whole edge, from the root
                 if tenant not in child.tenants:
+                    if fresh < 0:
+                        fresh = pos
                     added += len(child.text)
                 child.tenants[tenant] = now
                 pos += len(child.text)
@@ -119,6 +127,8 @@ class RadixTree:
                 leaf.tenants[tenant] = now
                 node.children[text[pos]] = leaf
                 self._shape += 1
+                if fresh < 0:
+                    fresh = pos
                 added += n - pos
                 break
             edge = child.text
@@ -126,6 +136,8 @@ class RadixTree:
             if k < len(edge):
                 child = self._split(child, k)
             if tenant not in child.tenants:
+                if fresh < 0:
+                    fresh = pos
                 added += k
             child.tenants[tenant] = now
             node = child
@@ -135,6 +147,49 @@ class RadixTree:
             self._total += added
         elif tenant not in sizes:
             sizes[tenant] = 0
+        return now, (n if fresh < 0 else fresh)
+
+    def retract(self, text: str, tenant: str, claim: tuple[int, int] | None) -> int:
+        """Take back what :meth:`insert` ``(text, tenant)`` added, returned as ``claim``: the request never
+        reached that worker's cache (it answered 4xx, or busy).  Returns the characters dropped.
+
+        Only the tenant's hold on ``text[fresh:]`` goes, and only on nodes whose stamp for the tenant is
+        still this insert's: a later insert through them for the same tenant (the same text, or a longer
+        or shorter one: a request that did reach it) refreshed those stamps, so what it holds stays.
+        The prefix the tenant held before keeps its refreshed stamp (LRU order only).
+        """
+        if claim is None:
+            return 0
+        stamp, fresh = claim
+        n = len(text)
+        if fresh >= n:
+            return 0
+        path: list[tuple[_Node, int]] = []  # (node, characters of text before it)
+        node, pos = self._root, 0
+        while pos < n:
+            child = node.children.get(text[pos])
+            if child is None or not text.startswith(child.text, pos):
+                break  # evicted or split apart since: nothing of it is held past here
+            path.append((child, pos))
+            pos += len(child.text)
+            node = child
+        dropped = 0
+        for node, start in reversed(path):
+            if start + len(node.text) <= fresh:
+                break
+            held = node.tenants.get(tenant)
+            if held is None:
+                continue  # evicted for this tenant since (others still hold the node): look above
+            if held != stamp:
+                break
+            if start < fresh:  # the tenant held this node's head before: keep the head, drop the tail
+                self._split(node, fresh - start)  # node keeps the tail
+            k = len(node.text)
+            self._drop(node, tenant)
+            dropped += k
+        if dropped:
+            self._shape += 1
+        return dropped
 
     def _split(self, node: _Node, k: int) -> _Node:
         """Split ``node`` after ``k`` chars; return the new upper node (same tenants)."""

@@ -163,7 +163,7 @@ class StickySessions:
                 self.hits += 1
                 tree = getattr(policy, "tree", None)
                 if tree is not None and isinstance(text, str) and text:  # kv_aware records its own (pin)
-                    tree.insert(text, url)
+                    policy.last_claim = (text, url, tree.insert(text, url))  # see CacheAwarePolicy.last_claim
                 return w
         self.moved += 1
         return None

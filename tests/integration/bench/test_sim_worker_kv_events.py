@@ -56,3 +56,40 @@ async def test_workers_publish_their_cache_events():
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+@pytest.mark.timeout(60)
+async def test_out_of_range_token_ids_get_the_engines_400_and_the_worker_keeps_serving():
+    """Token ids the page hash cannot take (negative, >= 2**32) once stopped the engine loop silently
+    and hung that request and every later one: now the engine's 400, and the next request is served."""
+    http = free_port_block(1)
+    ev = free_port_block(2)
+    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"}
+    args = sim_worker.build_parser().parse_args([
+        "--port", str(http), "--kv-events-config", json.dumps(cfg), "--page-size", "1",
+        "--prefill-per-token-s", "0", "--prefill-overhead-s", "0", "--decode-base-s", "0.001",
+        "--decode-per-req-s", "0", "--decode-per-ctx-token-s", "0"])
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(sim_worker.serve(args, ready, stop))
+    await asyncio.wait_for(ready.wait(), 10)
+    base = f"http://127.0.0.1:{http}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+            for path, body, param, bad in (
+                    ("/v1/completions", {"prompt": [-1, 2], "max_tokens": 2}, "prompt", -1),
+                    ("/v1/completions", {"prompt": [3, 1 << 32], "max_tokens": 2}, "prompt", 1 << 32),
+                    ("/generate", {"input_ids": [7, 1 << 40], "sampling_params": {"max_new_tokens": 2}},
+                     "input_ids", 1 << 40)):
+                async with s.post(base + path, json=body) as r:
+                    assert r.status == 400, await r.text()
+                    err = (await r.json())["error"]
+                assert err["param"] == param and f"token id {bad} " in err["message"]
+                assert "outside the vocabulary" in err["message"]
+            async with s.get(base + "/health") as r:
+                assert r.status == 200
+            async with s.post(base + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}) as r:
+                assert r.status == 200
+                assert (await r.json())["usage"]["completion_tokens"] == 2
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

@@ -51,7 +51,9 @@ def test_hash_str_to_int64_signed_first_16_hex_chars():
 
 def test_empty_run_has_no_pages_and_bad_token_ids_raise():
     assert page_digests([], 4) == []
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="token id -1 "):
         page_digests([-1], 1)
-    with pytest.raises(Exception):
-        page_digests([1 << 33], 1)
+    with pytest.raises(ValueError, match=f"token id {1 << 33} "):
+        page_digests([5, 1 << 33], 2)
+    with pytest.raises(ValueError, match="token id 'x' "):
+        page_digests([3, "x"], 2)

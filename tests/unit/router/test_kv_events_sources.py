@@ -74,6 +74,9 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
         async def keyed_info(_request):
             return web.json_response({"error": {"message": "missing API key"}}, status=401)
 
+        async def null_info(_request):  # started with --kv-events-config '{"publisher": "null"}'
+            return web.json_response({"dp_size": 1, "kv_events_config": '{"publisher": "null"}'})
+
         async def named_info(_request):  # its publisher connects: the router connecting too gets nothing
             return web.json_response({"dp_size": 1, "kv_events_config": {"endpoint": "tcp://127.0.0.1:1"}})
 
@@ -81,6 +84,7 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
         app.router.add_get("/get_server_info", info)
         app.router.add_get("/keyed/get_server_info", keyed_info)
         app.router.add_get("/named/get_server_info", named_info)
+        app.router.add_get("/null/get_server_info", null_info)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -89,7 +93,7 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
 
         class Registry:
             def urls(self):
-                return [url, url + "/keyed", url + "/named"]
+                return [url, url + "/keyed", url + "/named", url + "/null"]
 
         class Router:
             registry = Registry()
@@ -122,4 +126,7 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
                      f"kv-events: {url}/named publishes on tcp://127.0.0.1:1, a named host, so its PUB socket "
                      "connects to a collector there instead of binding (as vLLM and SGLang do); this router connects "
                      "too and receives nothing unless something binds that address: start the worker with tcp://*:1 "
-                     "to publish to routers directly"]
+                     "to publish to routers directly",
+                     f"kv-events: {url}/null names no KV-event publisher (its kv_events_config names publisher "
+                     "'null', which publishes nothing to subscribe to, no --kv-events-endpoint for it): routed on "
+                     "the approximate tree (branch=fallback) until it does; start it with --kv-events-config"]

@@ -217,3 +217,57 @@ def test_an_insert_after_a_match_of_the_same_text_starts_below_its_path_with_the
                 assert fast.tenant_prefixes(t) == plain.tenant_prefixes(t)
             assert fast.tenant_sizes() == plain.tenant_sizes() == fast.recount()
             assert fast.total_size == plain.total_size
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(TEXT, TENANT, st.booleans()), min_size=1, max_size=14), st.data())
+def test_retract_leaves_the_tree_of_every_other_insert(inserts, data):
+    """A request the worker refused (4xx) is taken back: after inserts i_0..i_n and ``retract`` of
+    i_j's claim, every tenant holds exactly the prefixes it would hold had i_j never been inserted,
+    whatever came after it (the same text to the same tenant, longer or shorter ones through it,
+    other tenants on the same path).  ``walk``: a ``match_per_tenant`` of that very text object first,
+    so the insert starts below the matched path (the proxy's order)."""
+    j = data.draw(st.integers(0, len(inserts) - 1))
+    tree, ref = RadixTree(), NaiveTree()
+    claim = None
+    for i, (text, tenant, walk) in enumerate(inserts):
+        if walk:
+            tree.match_per_tenant(text)
+        c = tree.insert(text, tenant)
+        if i == j:
+            claim = c
+            assert c is None if not text else c[1] == ref.match_tenant(text, tenant)
+        else:
+            ref.insert(text, tenant)
+    text, tenant, _ = inserts[j]
+    before = tree.total_size
+    dropped = tree.retract(text, tenant, claim)
+    assert dropped == before - tree.total_size
+    check_same(tree, ref)
+
+
+def test_retract_keeps_what_the_tenant_held_before_and_what_a_later_request_added():
+    tree = RadixTree()
+    tree.insert("system: be brief. user: hi", "a")
+    claim = tree.insert("system: be brief. user: bye", "a")
+    assert claim[1] == len("system: be brief. user: ")
+    assert tree.retract("system: be brief. user: bye", "a", claim) == 3
+    assert tree.prefix_match_tenant("system: be brief. user: bye", "a") == len("system: be brief. user: ")
+    assert tree.tenant_size("a") == len("system: be brief. user: hi")
+    # a later request to the same worker with the same text reached it: nothing is taken back
+    claim = tree.insert("another prompt", "a")
+    tree.insert("another prompt", "a")
+    assert tree.retract("another prompt", "a", claim) == 0
+    assert tree.prefix_match_tenant("another prompt", "a") == len("another prompt")
+    assert tree.retract("x", "a", None) == 0 and tree.insert("", "a") is None
+
+
+def test_retract_after_an_eviction_took_the_tail_still_takes_the_rest():
+    tree = RadixTree()
+    tree.insert("abcdef", "b")
+    claim = tree.insert("abcdef", "a")  # a's newest: its tail goes last, so evict b's first ...
+    tree.insert("abcdef", "b")  # ... after b touches it again: now a's tail is the oldest leaf
+    assert tree.evict(9) == 3 and tree.prefix_match_tenant("abcdef", "a") == 3
+    assert tree.retract("abcdef", "a", claim) == 3
+    assert tree.tenant_size("a") == 0 and tree.prefix_match_tenant("abcdef", "b") == 6
+    assert tree.recount() == tree.tenant_sizes()

@@ -55,6 +55,8 @@ def reporting_worker(name: str):
 
     async def answer(req: web.Request):
         body = await req.json()
+        if body.get("refuse"):  # the engine refuses it (bad model, bad value, busy): nothing is cached
+            return web.json_response({"error": {"message": "refused", "code": None}}, status=body["refuse"])
         rep = body.get("report")
         usage = {"prompt_tokens": 10, "completion_tokens": 1,
                  "prompt_tokens_details": None if rep is None else {"cached_tokens": rep}}
@@ -153,5 +155,42 @@ async def test_round_robin_shows_its_branch_and_makes_no_guess(start_app, InProc
             async with s.get(r.url + "/metrics") as resp:
                 text = await resp.text()
             assert metric(text, "fleetserve_router_cache_prediction_abs_error_tokens_count", u) is None
+    finally:
+        await rn.cleanup()
+
+
+@pytest.mark.parametrize("status", [400, 404, 429, 503])
+@pytest.mark.parametrize("policy, sticky", [("cache_aware", False), ("cache_aware", True), ("kv_aware", False)])
+async def test_a_refused_request_leaves_no_entry_in_the_tree(start_app, InProcessRouter, status, policy, sticky):
+    """A worker that answers 4xx (or busy) never cached the prompt: the tree entry its decision made is
+    taken back, so the next request with that prompt is predicted 0 cached tokens, as the engine reports.
+    ``sticky``: the decision came from ``--sticky-sessions`` (which inserts into the same tree)."""
+    rn, u = await start_app(reporting_worker("w0"))
+    extra = {"sticky_sessions": True} if sticky else {}
+    headers = {"x-smg-routing-key": "s1"} if sticky else {}
+    try:
+        async with InProcessRouter(worker_urls=[u], policy=policy, **extra) as r, \
+                aiohttp.ClientSession(headers=headers) as s:
+            kept = list(range(200, 216))
+            async with s.post(r.url + "/v1/completions", json={"prompt": kept, "report": 0}) as resp:
+                assert resp.status == 200
+            prompt = kept + list(range(300, 316))  # shares 16 with what the worker holds
+            async with s.post(r.url + "/v1/completions", json={"prompt": prompt, "refuse": status}) as resp:
+                assert resp.status == status
+            held = r.router.policy.tree.prefix_match_tenant(ids_text(prompt), u)
+            assert held == len(ids_text(kept))  # the refused tail is gone, the prefix the worker held stays
+            async with s.post(r.url + "/v1/completions", json={"prompt": prompt, "report": 16}) as resp:
+                assert resp.status == 200
+                route = resp.headers["x-fleetserve-route"]
+            tree = r.router.policy.tree
+            if sticky:
+                assert "branch=session" in route
+            else:
+                assert "; cached_tokens=16; prompt_tokens=32" in route  # not 31: the refused one left nothing
+            assert tree.tenant_size(u) == tree.total_size == len(ids_text(prompt))  # each character once
+            async with s.get(r.url + "/metrics") as resp:
+                text = await resp.text()
+            h = "fleetserve_router_cache_prediction_abs_error_tokens"
+            assert metric(text, h + "_sum", u) == 0
     finally:
         await rn.cleanup()

@@ -344,6 +344,7 @@ class KvAwarePolicy:
         self.dp_aware = dp_aware
         self.index = BlockIndex(max_blocks)
         self.tree = RadixTree()
+        self.last_claim = None  # the tree entry of the last decision (CacheAwarePolicy.last_claim)
         self.tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="kv-tokenize") if tokenizer else None
         self.subs: dict[str, dict[int, object]] = {}  # worker url -> rank -> Subscription (set by the sources)
@@ -700,8 +701,8 @@ class KvAwarePolicy:
     def _record(self, url: str, rank: int | None, key: RouteKey) -> None:
         tenant = url if rank is None else f"{url}#{rank}"
         text = key.tree_text()
-        if text:
-            self.tree.insert(text, tenant)
+        if text:  # the entry the proxy takes back if the worker refuses the request (CacheAwarePolicy.last_claim)
+            self.last_claim = (text, tenant, self.tree.insert(text, tenant))
         index = self.index
         if key.tokens and self.speculative_ttl_s > 0 and index.block_size:  # none before a first event
             for r in ((rank,) if rank is not None else self.ranks(url)):

@@ -91,6 +91,24 @@ def endpoints_from_info(info: dict, worker_url: str) -> list[tuple[int, str, str
              rank_endpoint(replay, worker_url, r) if replay else None, topic) for r in range(dp)]
 
 
+def unpublished_reason(info: dict) -> str:
+    """Why :func:`endpoints_from_info` found no stream in ``/get_server_info``, for the router's warning."""
+    cfg = info.get("kv_events_config")
+    if cfg is None:
+        return "no kv_events_config in its /get_server_info"
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except ValueError:
+            return "its kv_events_config is not JSON"
+    if not isinstance(cfg, dict):
+        return "its kv_events_config is not an object"
+    publisher = cfg.get("publisher", "zmq")
+    if publisher != "zmq":
+        return f"its kv_events_config names publisher {publisher!r}, which publishes nothing to subscribe to"
+    return "its kv_events_config names no endpoint"
+
+
 def connecting_endpoint(info: dict) -> str | None:
     """The worker's ``tcp://`` publisher endpoint from ``/get_server_info`` when it names a host (not a
     wildcard): such a PUB socket connects to a collector instead of binding (vLLM's and SGLang's rule,
@@ -115,6 +133,7 @@ class KvEventSources:
         self._told: set[str] = set()  # urls already logged as naming no publisher (once per registration)
         self._why: dict[str, str] = {}  # url -> why its last /get_server_info gave nothing (e.g. "answered 401")
         self._connects: dict[str, str] = {}  # url -> its publisher endpoint, when that connects (connecting_endpoint)
+        self._unpublished: dict[str, str] = {}  # url -> why its /get_server_info names no stream (unpublished_reason)
 
     async def run(self, router) -> None:
         """Sync every :data:`SYNC_INTERVAL_S` until cancelled; then end every subscription."""
@@ -146,9 +165,9 @@ class KvEventSources:
                 if url not in self._told:  # else a user sees branch=fallback with no reason anywhere
                     self._told.add(url)
                     if why is None:
-                        log.warning("kv-events: %s names no KV-event publisher (no kv_events_config in its "
-                                    "/get_server_info, no --kv-events-endpoint for it): routed on the approximate "
-                                    "tree (branch=fallback) until it does; start it with --kv-events-config", url)
+                        log.warning("kv-events: %s names no KV-event publisher (%s, no --kv-events-endpoint for "
+                                    "it): routed on the approximate tree (branch=fallback) until it does; start it "
+                                    "with --kv-events-config", url, self._unpublished.pop(url, "no stream"))
                     else:
                         log.warning("kv-events: %s/get_server_info %s, so its KV-event publisher is unknown: "
                                     "routed on the approximate tree (branch=fallback); name it with "
@@ -198,7 +217,10 @@ class KvEventSources:
             dp = info.get("dp_size", info.get("data_parallel_size", 1))
             dp = dp if type(dp) is int and dp >= 1 else 1
             return [(r, rank_endpoint(ep, url, r), None, "") for r in range(dp)]
-        return endpoints_from_info(info, url)
+        eps = endpoints_from_info(info, url)
+        if eps is None:
+            self._unpublished[url] = unpublished_reason(info)
+        return eps
 
     def unsubscribe(self, url: str) -> None:
         subs = self.policy.subs.pop(url, {})
