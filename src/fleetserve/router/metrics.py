@@ -11,6 +11,8 @@ Families (prefix ``fleetserve_router_``):
 * ``failures_total{worker}``: attempts that failed by the worker's fault
   (connection error, timeout, 5xx other than a busy 503).
 * ``retries_total``: attempts after the first.
+* ``request_faults_total``: requests that two workers both answered with a 5xx status, so taken as
+  the request's fault: neither worker's failure counted, no further retry (``proxy._forward``).
 * ``migrations_total``: continuations that streamed, for streams whose worker failed mid-stream.
 * ``inflight_requests{worker}``: the load used for routing.
 * ``worker_healthy{worker}``: 1 healthy, 0 not.
@@ -38,10 +40,12 @@ DECISION_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 
 class RouterStats:
     """Plain counters bumped on the request path."""
 
-    __slots__ = ("retries", "migrations", "no_worker", "bad_requests", "decision_counts", "decision_sum")
+    __slots__ = ("retries", "request_faults", "migrations", "no_worker", "bad_requests", "decision_counts",
+                 "decision_sum")
 
     def __init__(self) -> None:
         self.retries = 0
+        self.request_faults = 0
         self.migrations = 0
         self.no_worker = 0
         self.bad_requests = 0
@@ -82,6 +86,9 @@ class RouterCollector:
         yield from (req, fail, infl, healthy, tree)
         yield CounterMetricFamily("fleetserve_router_retries", "Upstream attempts after the first",
                                   value=r.stats.retries)
+        yield CounterMetricFamily("fleetserve_router_request_faults",
+                                  "Requests two workers both answered with a 5xx status (the request's fault, "
+                                  "not counted against either worker)", value=r.stats.request_faults)
         yield CounterMetricFamily("fleetserve_router_migrations", "Streams continued on another worker after a "
                                   "mid-stream failure (continuations that streamed)", value=r.stats.migrations)
         yield CounterMetricFamily("fleetserve_router_no_worker", "Requests answered 503: no available worker",

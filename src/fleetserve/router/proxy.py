@@ -17,6 +17,9 @@ arrives, so a worker that fails before its first event is retried too; once a
 streamed response has started, a failure migrates the request to another worker
 (:mod:`.migration`, ``--max-migrations``), and past that ends the stream with an
 error event.
+When a second worker also answers a request with a 5xx status, the request is
+taken to be at fault: that answer goes to the client, no further retry, and
+neither worker's failure is counted (see :func:`_forward`).
 A 429 or 503 answer is back-pressure: retried at once on a worker not asked
 yet, else passed to the client unchanged, and never a circuit-breaker failure.
 Any other 4xx answer passes through unchanged and counts as a worker success.
@@ -25,6 +28,7 @@ Any other 4xx answer passes through unchanged and counts as a worker success.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -38,6 +42,8 @@ from .retry import backoff_delay_s
 from .route_header import HEADER, route_of
 from .routing_text import routing_text
 from .workers import Worker
+
+log = logging.getLogger("fleetserve.router")
 
 if TYPE_CHECKING:
     from .app import Router
@@ -89,6 +95,13 @@ class _Retry:
 
     def __init__(self, response: Response) -> None:
         self.response = response
+
+
+class _Failed(_Retry):
+    """The worker answered a 5xx status (not busy).  Its failure is recorded by :func:`_forward` only once
+    the request is shown not to be at fault: see :func:`_settle_status_faults`."""
+
+    __slots__ = ()
 
 
 class _Busy(_Retry):
@@ -148,6 +161,13 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
                    session: str | None = None, parsed: dict | None = None) -> Response | None:
     """Choose a worker and send; on a worker fault, back off and choose again among the ones not tried yet.
 
+    A 5xx status (not busy) is the worker's failure (its circuit breaker counts it) unless a second
+    worker answers the same request with a 5xx status too: then the request is taken to be at fault
+    (a body that crashes every engine alike), neither failure is counted, it is not retried further,
+    and the client gets the second answer (``fleetserve_router_request_faults_total``).  So a few bad
+    requests cannot open every worker's circuit.  A broken or timed-out connection is always the
+    worker's failure.
+
     ``text``: the routing key (the prompt text, or kv_aware's prepared token ids).
     ``session``: the session key (``--sticky-sessions``): its worker goes first when it can take the
     request (see :mod:`.sessions`), and the session follows the worker each attempt goes to.
@@ -162,60 +182,78 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
     tried: list[Worker] = []
     failure: Response | None = None
     attempt = 0
-    while True:
-        attempt += 1
-        t0 = time.perf_counter()
-        workers = router.registry.available()
-        if tried and len(workers) > 1:
-            fresh = [w for w in workers if w not in tried]
-            if fresh:
-                workers = fresh
-        worker = None
-        if tree is not None:
-            policy.last_claim = None
-        if session is not None and not tried:
-            worker = router.sessions.select(session, workers, text, policy)
-        by_session = worker is not None
-        if by_session and hasattr(policy, "pin"):
-            policy.pin(worker, text)  # kv_aware: the rank (--dp-aware), the load and the route header
-        if worker is None:
-            worker = policy.select(workers, text, retry=bool(tried))
-        if session is not None and worker is not None:
-            router.sessions.remember(session, worker.url)
-        stats.observe_decision(time.perf_counter() - t0)
-        if worker is None:
-            stats.no_worker += 1
-            if failure is None:
-                return json_error(503, "no healthy worker available", "service_unavailable",
-                                  code="no_healthy_worker")
-            return failure
-        decorate = getattr(policy, "decorate", None)  # kv_aware: the DP rank to use, the route header
-        if decorate is not None:
-            body, hdrs, shown = decorate(text, request.body, headers)
-            predicted = getattr(text, "cached", None)
-        else:  # every other policy: the route header (route_header.py)
-            body, hdrs = request.body, headers
-            value, predicted = route_of(policy, worker, text, by_session)
-            shown = () if cfg.no_route_header else ((HEADER, value),)
-        claim = policy.last_claim if tree is not None else None
-        result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, predicted, mig, text,
-                                claim)
-        kind = type(result)
-        if kind is not _Retry and kind is not _Busy:
-            return result
-        tried.append(worker)
-        failure = result.response
-        if attempt >= router.max_attempts:
-            return failure
-        if kind is _Busy:
-            # busy: another worker that has not been asked yet takes it at once; none -> the answer as is
-            if not any(w not in tried for w in router.registry.available()):
+    suspect: Worker | None = None  # the worker whose 5xx answer is not yet counted as its failure
+    suspect_status = 0
+    try:
+        while True:
+            attempt += 1
+            t0 = time.perf_counter()
+            workers = router.registry.available()
+            if tried and len(workers) > 1:
+                fresh = [w for w in workers if w not in tried]
+                if fresh:
+                    workers = fresh
+            worker = None
+            if tree is not None:
+                policy.last_claim = None
+            if session is not None and not tried:
+                worker = router.sessions.select(session, workers, text, policy)
+            by_session = worker is not None
+            if by_session and hasattr(policy, "pin"):
+                policy.pin(worker, text)  # kv_aware: the rank (--dp-aware), the load and the route header
+            if worker is None:
+                worker = policy.select(workers, text, retry=bool(tried))
+            if session is not None and worker is not None:
+                router.sessions.remember(session, worker.url)
+            stats.observe_decision(time.perf_counter() - t0)
+            if worker is None:
+                stats.no_worker += 1
+                if failure is None:
+                    return json_error(503, "no healthy worker available", "service_unavailable",
+                                      code="no_healthy_worker")
                 return failure
+            decorate = getattr(policy, "decorate", None)  # kv_aware: the DP rank to use, the route header
+            if decorate is not None:
+                body, hdrs, shown = decorate(text, request.body, headers)
+                predicted = getattr(text, "cached", None)
+            else:  # every other policy: the route header (route_header.py)
+                body, hdrs = request.body, headers
+                value, predicted = route_of(policy, worker, text, by_session)
+                shown = () if cfg.no_route_header else ((HEADER, value),)
+            claim = policy.last_claim if tree is not None else None
+            result = await _attempt(router, request, worker, path, hdrs, stream, body, shown, predicted, mig, text,
+                                    claim)
+            kind = type(result)
+            if kind is not _Retry and kind is not _Busy and kind is not _Failed:
+                return result
+            if kind is _Failed:
+                status = result.response.status
+                if suspect is not None and suspect is not worker:  # two workers alike: the request's fault
+                    suspect = None
+                    stats.request_faults += 1
+                    log.warning("a request got status %d from %s after status %d from another worker: taken as "
+                                "the request's fault (not counted against either worker, not retried)", status,
+                                worker.url, suspect_status)
+                    return result.response
+                if suspect is not None:  # the same worker again (nothing else to try): that one counts now
+                    suspect.record_failure(f"status {suspect_status}")
+                suspect, suspect_status = worker, status
+            tried.append(worker)
+            failure = result.response
+            if attempt >= router.max_attempts:
+                return failure
+            if kind is _Busy:
+                # busy: another worker that has not been asked yet takes it at once; none -> the answer as is
+                if not any(w not in tried for w in router.registry.available()):
+                    return failure
+                stats.retries += 1
+                continue
             stats.retries += 1
-            continue
-        stats.retries += 1
-        await asyncio.sleep(backoff_delay_s(attempt, cfg.retry_initial_backoff_ms, cfg.retry_max_backoff_ms,
-                                            cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
+            await asyncio.sleep(backoff_delay_s(attempt, cfg.retry_initial_backoff_ms, cfg.retry_max_backoff_ms,
+                                                cfg.retry_backoff_multiplier, cfg.retry_jitter_factor))
+    finally:  # no second worker answered 5xx: the first one's answer was its own failure
+        if suspect is not None:
+            suspect.record_failure(f"status {suspect_status}")
 
 
 async def _attempt(router: Router, request: Request, worker: Worker, path: str, headers: bytes, stream: bool,
@@ -249,11 +287,10 @@ async def _attempt(router: Router, request: Request, worker: Worker, path: str, 
                 data = await resp.read()
                 return _Busy(Response(status, data, resp.headers.get("content-type", _JSON),
                                       [*_forwarded_headers(resp), *shown]))
-            if status >= 500:
+            if status >= 500:  # whose fault, the worker's or the request's, _forward settles
                 data = await resp.read()
-                worker.record_failure(f"status {status}")
-                return _Retry(Response(status, data, resp.headers.get("content-type", _JSON),
-                                       [*_forwarded_headers(resp), *shown]))
+                return _Failed(Response(status, data, resp.headers.get("content-type", _JSON),
+                                        [*_forwarded_headers(resp), *shown]))
             if not stream or resp.content_type != "text/event-stream":
                 data = await resp.read()
                 worker.record_success()
