@@ -65,9 +65,12 @@ from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, Comple
 from fleetserve.entrypoints.ports import port_range_error
 from fleetserve.entrypoints.request_parse import parse_model
 from fleetserve.entrypoints.server_info import router_discovery_fields
-from fleetserve.entrypoints.validation import check_input_ids, chat_sampling, completion_sampling, native_sampling
+from fleetserve.entrypoints.validation import (
+    chat_messages, chat_sampling, check_chat_request, check_input_ids, completion_sampling, native_sampling,
+)
 
 WORKER_HEADER = "X-Fleetserve-Worker"
+MAX_BODY_BYTES = 8 * 1024 * 1024  # the engine's default --max-request-bytes (entrypoints/http/state.py): 413 past it
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -99,7 +102,7 @@ class SimWorker:
         self.model_name = model_name
         self.stream_interval = stream_interval
         self.url = url
-        self.app = web.Application(client_max_size=256 * 1024 * 1024)
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         r = self.app.router
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat)
@@ -233,6 +236,9 @@ class SimWorker:
     async def _body(self, req: web.Request) -> dict:
         try:
             body = await req.json()
+        except web.HTTPRequestEntityTooLarge:  # the engine's 413 (entrypoints/http/body.py)
+            raise APIError(f"request body is over the limit of {MAX_BODY_BYTES} bytes", 413, None,
+                           "request_too_large") from None
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             raise ValueError("request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -285,16 +291,12 @@ class SimWorker:
             body = await self._body(req)
             request = parse_model(ChatCompletionRequest, body)  # the engine's body checks: its errors
             self._check_model(request.model)
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), (str, list, type(None))) for m in msgs):
-                raise ValueError("messages must be a non-empty list of {role, content} objects "
-                                 "(role a string, content a string, a list of parts or null)")
+            check_chat_request(request)  # the engine's checks and message shaping (entrypoints/validation.py)
+            msgs = chat_messages(request)
             try:
                 ids = self.tok.encode_chat(msgs)
-            except TypeError as e:  # a chat template that cannot render these parts: the request's fault
-                raise ValueError(f"messages: {e}") from None
+            except Exception as e:  # noqa: BLE001 -- jinja and friends: the engine's 400 for it
+                raise APIError(f"messages do not fit the model's chat template: {e}", 400, "messages") from e
             sp = chat_sampling(request, prompt_len=len(ids), vocab_size=self.tok.vocab_size, context_length=None)
             max_new = 128 if sp.max_new_tokens is None else sp.max_new_tokens
         except APIError as e:
@@ -540,8 +542,10 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
             eng.start()
         worker = SimWorker(ranks, tok, args.model_name, args.stream_interval, url,
                            getattr(args, "kv_events_config", None) if kv_events else None)
+        # handler_cancellation: a client that goes away cancels its handler, so a non-streamed request is
+        # aborted in the engine too (as a stream already was), not decoded to the end for nobody
         runner = web.AppRunner(worker.app, access_log=_access_logger(getattr(args, "access_log", False)),
-                               shutdown_timeout=2.0)
+                               shutdown_timeout=2.0, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, args.host, port, backlog=4096)
         await site.start()

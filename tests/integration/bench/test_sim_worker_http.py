@@ -287,3 +287,59 @@ async def test_generate_n_answers_a_list_and_streams_indexed_results(workers):
     async with s.post(base + "/generate", json={"text": "a b", "sampling_params": {"n": 0}}) as r:
         assert r.status == 400
         assert (await r.json())["error"]["param"] == "sampling_params.n"
+
+
+CHAT = [
+    # content null everywhere: the engine's "no content" 400 (this used to crash the sim with a 500)
+    ({"messages": [{"role": "user", "content": None}]}, 400, "messages"),
+    # content null beside a message with text, and text parts: the engine takes both
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]}, 200, None),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "yo"}]}]},
+     200, None),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages.0.content.0.type"),
+    ({"messages": USER, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("body,status,param", CHAT, ids=[str(i) for i in range(len(CHAT))])
+async def test_chat_messages_go_through_the_engines_checks(workers, body, status, param):
+    async with workers.post(f"http://127.0.0.1:{PORT}/v1/chat/completions", json={**body, "max_tokens": 2}) as r:
+        assert r.status == status, await r.text()
+        doc = await r.json()
+    if status == 400:
+        assert doc["error"]["param"] == param
+    else:
+        assert doc["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.timeout(60)
+async def test_a_body_over_the_engines_limit_gets_413_and_the_worker_keeps_serving(workers):
+    from fleetserve.entrypoints.http.state import DEFAULT_MAX_REQUEST_BYTES
+
+    assert sim_worker.MAX_BODY_BYTES == DEFAULT_MAX_REQUEST_BYTES
+    base = f"http://127.0.0.1:{PORT}"
+    big = {"prompt": "word " * (DEFAULT_MAX_REQUEST_BYTES // 5 + 10), "max_tokens": 1}
+    async with workers.post(base + "/v1/completions", json=big) as r:
+        assert r.status == 413
+        assert (await r.json())["error"]["code"] == "request_too_large"
+    async with workers.post(base + "/v1/completions", json={"prompt": "a b", "max_tokens": 1}) as r:
+        assert r.status == 200
+
+
+@pytest.mark.timeout(60)
+async def test_a_client_that_leaves_a_non_streamed_request_frees_the_engine(workers):
+    base = f"http://127.0.0.1:{PORT}"
+    with pytest.raises(asyncio.TimeoutError):  # 2000 decode steps of 10 ms: 20 s if nobody aborts it
+        async with workers.post(base + "/v1/completions", json={"prompt": "a b", "max_tokens": 2000},
+                                timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+            await r.read()
+    for _ in range(100):
+        async with workers.get(base + "/get_load") as r:
+            load = await r.json()
+        load = load[0] if isinstance(load, list) else load
+        if load["num_reqs"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert load["num_reqs"] == 0
