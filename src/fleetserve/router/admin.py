@@ -34,6 +34,7 @@ from .http.server import Request, Response, json_error
 from .http.client import UpstreamError
 from .metrics import render
 from .proxy import credential_headers, forwarded_response_headers
+from .via import loop_answer
 from .workers import Worker, normalize_url
 
 if TYPE_CHECKING:
@@ -223,6 +224,9 @@ async def handle_list_workers(router: Router, request: Request) -> Response:
 
 # ---------------------------------------------------------------- passed to the workers
 async def handle_info(router: Router, request: Request) -> Response:
+    looped = loop_answer(request.headers, router.via, request.path)  # the session's requests carry Via
+    if looped is not None:
+        return looped
     workers = router.registry.available()
     if not workers:
         return json_error(503, "no healthy worker available", "service_unavailable", code="no_healthy_worker")
@@ -245,6 +249,9 @@ async def handle_info(router: Router, request: Request) -> Response:
 
 
 async def handle_flush_cache(router: Router, request: Request) -> Response:
+    looped = loop_answer(request.headers, router.via, request.path)
+    if looped is not None:
+        return looped
     workers = list(router.registry.workers)
     creds = credential_headers(request)
 

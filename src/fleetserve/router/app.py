@@ -27,6 +27,7 @@ from .metrics import RouterStats, make_registry
 from .prediction import Predictions
 from .policies import make_policy
 from .sessions import StickySessions
+from .via import new_pseudonym
 from .http.client import UpstreamPool
 from .workers import Worker, WorkerRegistry, normalize_url
 
@@ -55,6 +56,7 @@ class Router:
         self.admission = make_admission(cfg)  # None: --max-concurrent-requests -1
         self.drains: dict[str, asyncio.Task] = {}  # POST /drain_worker waits, by url
         self.shutting_down = False  # set on SIGTERM/SIGINT: /readiness answers 503
+        self.via = new_pseudonym()  # this router's Via entry, on every request it sends a worker (via.py)
 
     def inflight(self) -> int:
         """Inference requests being handled or queued for admission, whichever worker serves them."""
@@ -81,7 +83,8 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_secs),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            headers=worker_headers(self.cfg.api_key),  # --api-key is the workers' key too (auth.py)
+            # --api-key is the workers' key too (auth.py); Via names this router, so a loop is seen (via.py)
+            headers={**worker_headers(self.cfg.api_key), "Via": self.via},
         )
         if not self.cfg.disable_health_check:
             self._tasks.append(asyncio.create_task(self._health_loop()))

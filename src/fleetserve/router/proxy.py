@@ -41,6 +41,7 @@ from .http.server import Request, Response, error_body, json_error
 from .retry import backoff_delay_s
 from .route_header import HEADER, route_of
 from .routing_text import routing_text
+from .via import forwarded_via, loop_answer
 from .workers import Worker
 
 log = logging.getLogger("fleetserve.router")
@@ -70,12 +71,14 @@ def credential_headers(request: Request) -> dict[str, str]:
     return {k: h[k] for k in CREDENTIAL_HEADERS if k in h}
 
 
-def _passed_on_lines(request: Request) -> bytes:
+def _passed_on_lines(request: Request, via: str) -> bytes:
     """The request-header lines an inference request carries to the worker: the client's credentials
-    and its ``X-data-parallel-rank``, as ``name: value\\r\\n`` (names lower case).  Under
-    ``kv_aware --dp-aware`` the client's rank wins over the router's (``KvAwarePolicy.decorate``)."""
+    and its ``X-data-parallel-rank``, as ``name: value\\r\\n`` (names lower case), then ``via`` (this
+    router's entry, after the client's: :mod:`.via`).  Under ``kv_aware --dp-aware`` the client's rank
+    wins over the router's (``KvAwarePolicy.decorate``)."""
     h = request.headers
-    return b"".join(k.encode("latin-1") + b": " + h[k].encode("latin-1") + b"\r\n" for k in _PASSED_ON if k in h)
+    lines = b"".join(k.encode("latin-1") + b": " + h[k].encode("latin-1") + b"\r\n" for k in _PASSED_ON if k in h)
+    return lines + b"via: " + forwarded_via(h.get("via"), via).encode("latin-1") + b"\r\n"
 
 
 def forwarded_response_headers(pairs) -> list[tuple[str, str]]:
@@ -123,6 +126,10 @@ def _upstream_error(e: UpstreamError, message: str) -> dict:
 
 async def handle_inference(router: Router, request: Request) -> Response | None:
     """Parse, route and proxy one inference request (the server already enforced the size limit)."""
+    if "via" in request.headers:  # came round a loop back to this router? (via.py)
+        looped = loop_answer(request.headers, router.via, request.path)
+        if looped is not None:
+            return looped
     if not request.body:  # the engine's words for it (entrypoints/http/body.py)
         router.stats.bad_requests += 1
         return json_error(400, "request body is empty; send a JSON object")
@@ -176,7 +183,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
     cfg = router.cfg
     stats = router.stats
     policy = router.policy
-    headers = _passed_on_lines(request)
+    headers = _passed_on_lines(request, router.via)
     mig = migration.start(router, path, parsed, text, headers, session) if stream and parsed is not None else None
     tree = getattr(policy, "tree", None)  # cache_aware, kv_aware: a refused request's entry is taken back
     tried: list[Worker] = []
