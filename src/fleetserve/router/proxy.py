@@ -152,7 +152,7 @@ async def handle_inference(router: Router, request: Request) -> Response | None:
     prepare = getattr(router.policy, "prepare", None)  # kv_aware: token ids, tokenized off the loop
     try:
         if prepare is not None:
-            text = await prepare(path, body, text)
+            text = await prepare(path, body, text, request.headers)
         sessions = router.sessions
         session = sessions.key(request.headers, body) if sessions is not None else None
         return await _forward(router, request, path, text, body.get("stream") is True, session, body)

@@ -6,6 +6,8 @@ value it got.  Under ``kv_aware --dp-aware`` the client's header wins over the r
 client's own ``routed_dp_rank`` later in the body does, and only one header reaches the worker.
 """
 
+import asyncio
+
 import aiohttp
 import orjson
 import pytest
@@ -76,14 +78,45 @@ async def test_dp_aware_client_header_wins_and_is_the_only_one_sent(dp_worker, I
     wurl, seen = dp_worker
     async with InProcessRouter(worker_urls=[wurl], policy="kv_aware", dp_aware=True,
                                kv_speculative_ttl_secs=0) as r, aiohttp.ClientSession() as s:
+        for _ in range(100):  # its dp_size from /get_server_info: ranks 0 and 1
+            if tuple(r.router.policy.ranks(wurl)) == (0, 1):
+                break
+            await asyncio.sleep(0.05)
         st, _ = await post(s, r.url + "/generate", {"input_ids": [1, 2, 3]})
         assert st == 200
         assert seen[-1] == (["0"], 0)  # the router's own choice, in the header and first in the body
         st, body = await post(s, r.url + "/generate", {"input_ids": [1, 2, 3]}, {"X-data-parallel-rank": "5"})
         assert (st, orjson.loads(body)["error"]["message"]) == (400, "routed_dp_rank=5 out of range [0, 2)")
-        assert seen[-1] == (["5"], 0)  # the client's header alone (the router's rank stays in the body)
+        assert seen[-1][0] == ["5"]  # the client's header alone (a rank no worker has: the router's stays in the body)
         st, _ = await post(s, r.url + "/generate", {"input_ids": [1, 2, 3]}, {"X-data-parallel-rank": "1"})
-        assert st == 200 and seen[-1] == (["1"], 0)
+        assert st == 200 and seen[-1] == (["1"], 1)  # the router routes to the rank the client named
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("named", [{"header": "1"}, {"routed_dp_rank": 1}, {"data_parallel_rank": 1},
+                                   {"header": "0", "routed_dp_rank": 1}])
+async def test_dp_aware_routes_and_charges_the_rank_the_client_named(dp_worker, InProcessRouter, named):
+    """Helper trial: a client's ``routed_dp_rank`` 0 ran on rank 0 while the router's header said rank 1
+    and its load counted the request there.  Now the named rank is the router's decision: the route
+    header, the rank it sends and the load it counts (the header wins over the body, as in the engine)."""
+    wurl, seen = dp_worker
+    want = int(named.get("header", named.get("routed_dp_rank", named.get("data_parallel_rank"))))
+    body = {"input_ids": [1, 2, 3], **{k: v for k, v in named.items() if k != "header"}}
+    headers = {"X-data-parallel-rank": named["header"]} if "header" in named else None
+    async with InProcessRouter(worker_urls=[wurl], policy="kv_aware", dp_aware=True,
+                               kv_speculative_ttl_secs=0) as r, aiohttp.ClientSession() as s:
+        pol = r.router.policy
+        for _ in range(100):  # its dp_size from /get_server_info: both ranks are targets (no KV events here)
+            if tuple(pol.ranks(wurl)) == (0, 1):
+                break
+            await asyncio.sleep(0.05)
+        assert tuple(pol.ranks(wurl)) == (0, 1)
+        for _ in range(3):  # unpinned, the router would spread these over both ranks
+            async with s.post(r.url + "/generate", json=body, headers=headers) as resp:
+                assert resp.status == 200
+                assert f"; dp_rank={want};" in resp.headers["x-fleetserve-route"]
+        assert pol.decisions and sum(pol.chosen_at.get((wurl, rk), 0) > 0 for rk in (0, 1)) == 1
+        assert pol.chosen_at.get((wurl, want), 0) == 3
 
 
 def test_decorate_adds_the_routers_rank_header_only_when_the_client_sent_none():
@@ -102,3 +135,24 @@ def test_decorate_adds_the_routers_rank_header_only_when_the_client_sent_none():
         mine = b'{"input_ids":[1,2,3],"' + field + b'":0}'
         body, headers, _ = pol.decorate(key, mine, b"authorization: Bearer k\r\n")
         assert body == b'{"routed_dp_rank":1,' + mine[1:] and headers == b"authorization: Bearer k\r\n"
+
+
+@pytest.mark.timeout(30)
+async def test_dp_aware_without_kv_events_spreads_over_the_ranks_of_dp_size(dp_worker, InProcessRouter):
+    """A worker that publishes no KV events has the ranks of its /get_server_info dp_size (it used to
+    count as rank 0 alone, so --dp-aware sent every request to rank 0)."""
+    wurl, seen = dp_worker
+    async with InProcessRouter(worker_urls=[wurl], policy="kv_aware", dp_aware=True,
+                               kv_speculative_ttl_secs=0) as r, aiohttp.ClientSession() as s:
+        pol = r.router.policy
+        for _ in range(100):
+            if tuple(pol.ranks(wurl)) == (0, 1):
+                break
+            await asyncio.sleep(0.05)
+        ranks = []
+        for i in range(4):
+            async with s.post(r.url + "/generate", json={"input_ids": [10 + i, 2, 3]}) as resp:
+                assert resp.status == 200
+                ranks.append(resp.headers["x-fleetserve-route"].split("dp_rank=")[1].split(";")[0])
+        assert sorted(ranks) == ["0", "0", "1", "1"]  # idle ranks, equal loads: taken in turn
+        assert [b for _, b in seen] == [int(x) for x in ranks]

@@ -99,6 +99,7 @@ log = logging.getLogger("fleetserve.router")
 
 SESSION = "session"  # the branch of a request --sticky-sessions sent (route_header.py)
 _NONE: dict = {}  # no index match (never written)
+_RANK_0 = (0,)  # the ranks of a worker whose dp_size is not known
 _NOTHING_SHARED = (0, ())  # a target none of whose queued prompts shares a token id with the request
 TEXT = "text"  # the fallback reason of a request without token ids
 DEFAULT_DECODE_TOKENS = 128  # a request without max_tokens counts this many decode tokens
@@ -113,7 +114,8 @@ class RouteKey:
     """One request's routing input and, after :meth:`KvAwarePolicy.select`, its decision."""
 
     __slots__ = ("text", "tokens", "prompt_tokens", "decode_tokens", "target", "rank", "branch", "cached",
-                 "charged", "queued", "reason", "tokenized", "streamed", "_tree_text", "_one_char", "_chars")
+                 "charged", "queued", "reason", "tokenized", "streamed", "client_rank", "_tree_text", "_one_char",
+                 "_chars")
 
     def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS,
                  chars: str | None = None):
@@ -133,6 +135,7 @@ class RouteKey:
         self.reason = None  # why the branch is fallback whatever the stream's trust (TOKENIZER, TEXT), or None
         self.tokenized = False  # the ids came from the router's tokenizer (not the request's own ids)
         self.streamed = False  # a stream was asked for: its first answer bytes will tell when its prefill ended
+        self.client_rank = None  # the DP rank the client named itself (client_dp_rank), which the engine obeys
         self._tree_text = None
         self._one_char = None
 
@@ -161,6 +164,23 @@ class RouteKey:
         """The ``x-fleetserve-route`` value: ``target=URL; dp_rank=R|-; branch=B; cached_tokens=N; prompt_tokens=M``
         (then ``; reason=R`` when a reason forced ``fallback``)."""
         return format_route(self.target[0], self.rank, self.branch, self.cached, self.prompt_tokens, self.reason)
+
+
+def client_dp_rank(body: dict, headers: dict | None) -> int | None:
+    """The DP rank the client named, as the engine reads it: the ``X-data-parallel-rank`` header first, then
+    the body's ``routed_dp_rank``, then SGLang's older ``data_parallel_rank``
+    (``entrypoints.validation.resolve_routed_dp_rank``); None when it names none or names it badly (the
+    engine answers that with a 400, whatever the router decides)."""
+    raw = headers.get("x-data-parallel-rank") if headers else None
+    if raw is not None:
+        try:
+            return int(raw.strip())
+        except ValueError:
+            return None
+    rank = body.get("routed_dp_rank")
+    if rank is None:
+        rank = body.get("data_parallel_rank")
+    return rank if type(rank) is int else None
 
 
 # the client's own X-data-parallel-rank line, as proxy.py passes it on (name lower case, at a line start)
@@ -348,6 +368,9 @@ class KvAwarePolicy:
         self.tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="kv-tokenize") if tokenizer else None
         self.subs: dict[str, dict[int, object]] = {}  # worker url -> rank -> Subscription (set by the sources)
+        # worker url -> its DP ranks from /get_server_info's dp_size (set by the sources): the ranks of a worker
+        # that publishes no KV events (with streams, the ranks are those of its streams)
+        self.dp_ranks: dict[str, tuple[int, ...]] = {}
         self.load_tokens: dict = {}  # (url, rank or None) -> in-flight tokens
         self.queued_tokens: dict = {}  # (url, rank or None) -> uncached prompt tokens whose prefill has not ended
         self.queued_keys: dict = {}  # (url, rank or None) -> the RouteKeys counted in queued_tokens
@@ -411,8 +434,9 @@ class KvAwarePolicy:
                     self.inferred_prefills += 1
 
     # ------------------------------------------------------------ per request
-    async def prepare(self, path: str, body: dict, text: str) -> RouteKey:
-        """Token ids of the request (inline when short, else on a worker thread: tokenize.py), as a RouteKey."""
+    async def prepare(self, path: str, body: dict, text: str, headers: dict | None = None) -> RouteKey:
+        """Token ids of the request (inline when short, else on a worker thread: tokenize.py), as a RouteKey.
+        ``headers``: the request's (lower-case names), for a DP rank the client named (:func:`client_dp_rank`)."""
         tokens = request_ids_without_tokenizer(path, body)
         tokenized = False
         chars = None  # the ids as characters, when the fast encoder joined them from its cached blocks
@@ -430,11 +454,15 @@ class KvAwarePolicy:
         key = RouteKey(text, tokens, decode_budget(body), chars)
         key.tokenized = tokenized
         key.streamed = body.get("stream") is True
+        if self.dp_aware:
+            key.client_rank = client_dp_rank(body, headers)
         return key
 
-    def ranks(self, url: str) -> list[int]:
+    def ranks(self, url: str) -> list[int] | tuple[int, ...]:
+        """The worker's DP ranks: those of its KV-event streams, else ``range(dp_size)`` from its
+        ``/get_server_info`` (:attr:`dp_ranks`), else rank 0 alone."""
         subs = self.subs.get(url)
-        return sorted(subs) if subs else [0]
+        return sorted(subs) if subs else self.dp_ranks.get(url, _RANK_0)
 
     def trust(self, url: str, rank: int) -> str:
         """The trust the policy gives the target: the stream's, or ``fallback`` for a worker whose
@@ -462,8 +490,11 @@ class KvAwarePolicy:
         tree_off = 1 if tokens else 0
         ids1 = one_char_per_id(key)  # for _pending_prefix / _shared_queued
         subs = self.subs
-        if self.dp_aware:  # one target per DP rank
-            targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url)]
+        if self.dp_aware:  # one target per DP rank; only the rank the client named, when it named one
+            pin = key.client_rank
+            targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url) if pin is None or r == pin]
+            if not targets:  # a rank no worker has: the engine refuses it (400); route as if none was named
+                targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url)]
         else:  # one target per worker, the best of its ranks
             targets = [(w, None, None) for w in workers]
         # the engine always computes the last prompt token (vLLM, SGLang and ours match at most

@@ -152,6 +152,8 @@ class KvEventSources:
         urls = set(router.registry.urls())
         for url in [u for u in policy.subs if u not in urls]:
             self.unsubscribe(url)
+        for url in [u for u in policy.dp_ranks if u not in urls]:
+            del policy.dp_ranks[url]
         self._told &= urls  # a removed worker added again is told about again
         for url in urls - set(policy.subs):
             if time.monotonic() - self._asked.get(url, -1e9) < REDISCOVER_S:
@@ -208,6 +210,9 @@ class KvEventSources:
             self._why[url] = f"failed ({type(e).__name__})"
         if not isinstance(info, dict):
             info = {}
+        dp = info.get("dp_size", info.get("data_parallel_size"))
+        if type(dp) is int and dp >= 1:  # its ranks for --dp-aware, should it publish no events (policy.ranks)
+            self.policy.dp_ranks[url] = tuple(range(dp))
         ep = self.flag_endpoints.get(url)
         self._connects.pop(url, None)
         connects = connecting_endpoint(info) if ep is None else None
