@@ -99,8 +99,14 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         for srv in servers:
             srv.close()  # stop accepting; open connections keep their requests in flight
         deadline = loop.time() + cfg.shutdown_grace_period_secs
+        if router.inflight():
+            log.info("shutting down: waiting up to %.0f s (--shutdown-grace-period-secs) for %d requests in "
+                     "flight", cfg.shutdown_grace_period_secs, router.inflight())
         while router.inflight() and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if router.inflight():  # their connections are closed: a client sees a cut answer, never a whole one
+            log.warning("shutting down: the grace period is over with %d requests still in flight; their "
+                        "connections are closed now", router.inflight())
         return 0
     finally:
         for srv in servers:

@@ -365,6 +365,30 @@ async def test_sigterm_lets_streams_in_flight_finish(procs):
 
 
 @pytest.mark.timeout(60)
+async def test_sigterm_past_the_grace_period_cuts_the_stream_and_says_so(procs):
+    """A stream longer than --shutdown-grace-period-secs is cut (no [DONE]: the client sees an incomplete
+    answer, never a whole one), and the log says how many requests were cut (helper trial: no line at all)."""
+    import signal
+
+    u0, _ = procs.worker("w0")
+    router, rp = procs.router([u0], "--shutdown-grace-period-secs", "0.5")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router + "/generate", json={"text": "t", "stream": True, "fake_chunks": 40,
+                                                      "fake_chunk_delay": 0.1}, timeout=T) as r:
+            await r.content.readline()
+            rp.send_signal(signal.SIGTERM)
+            got = b""
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for chunk in r.content.iter_any():
+                    got += chunk
+        assert b"[DONE]" not in got
+    assert await asyncio.to_thread(rp.wait, 10) == 0
+    rp.log.seek(0)
+    text = rp.log.read().decode()
+    assert "the grace period is over with 1 requests still in flight" in text
+
+
+@pytest.mark.timeout(60)
 async def test_sigterm_waits_for_a_request_to_a_worker_removed_meanwhile(procs):
     import signal
 
