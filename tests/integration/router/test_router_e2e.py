@@ -203,14 +203,16 @@ async def test_errors_health_and_info_endpoints(procs, tmp_path):
         # a 4xx passes through unchanged and is not a worker failure
         status, body = await post(s, router + "/v1/completions", {"prompt": "p", "fake_status": 404})
         assert status == 404 and body["error"]["message"] == "fake 404"
-        # a 5xx is retried on the other worker
+        # a 5xx is retried on the other worker; a 5xx from both is the request's fault: not retried further,
+        # no worker failure counted (proxy._forward)
         assert (await post(s, router + "/v1/completions", {"prompt": "q", "fake_status": 500}))[0] == 500
-        assert await metric(s, router, "fleetserve_router_failures_total") == 5
-        assert await metric(s, router, "fleetserve_router_requests_total") == 6
+        assert await metric(s, router, "fleetserve_router_failures_total") == 0
+        assert await metric(s, router, "fleetserve_router_request_faults_total") == 1
+        assert await metric(s, router, "fleetserve_router_requests_total") == 3
         # a 503 is busy, not broken: each worker is asked once, and it is no failure
         assert (await post(s, router + "/v1/completions", {"prompt": "q", "fake_status": 503}))[0] == 503
-        assert await metric(s, router, "fleetserve_router_failures_total") == 5
-        assert await metric(s, router, "fleetserve_router_requests_total") == 8
+        assert await metric(s, router, "fleetserve_router_failures_total") == 0
+        assert await metric(s, router, "fleetserve_router_requests_total") == 5
         async with s.post(router + "/v1/completions", json={"prompt": "h"}, timeout=T) as r:
             assert r.headers["X-Fake-Worker"] in ("w0", "w1") and r.headers["Content-Length"] == str(
                 len(await r.read()))
