@@ -382,10 +382,24 @@ async def test_405_names_the_allowed_methods_in_allow():
         assert body == (b'{"error":{"message":"GET is not allowed on /echo","type":"invalid_request_error",'
                         b'"param":null,"code":null}}')
         two = await exchange(port, b"DELETE /both HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert two.startswith(b"HTTP/1.1 405 ") and b"\r\nAllow: GET, POST\r\n" in two
+        assert two.startswith(b"HTTP/1.1 405 ") and b"\r\nAllow: GET, HEAD, POST\r\n" in two
         pre = await exchange(port, b"PUT /items/a HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert pre.startswith(b"HTTP/1.1 405 ") and b"\r\nAllow: DELETE, GET\r\n" in pre
+        assert pre.startswith(b"HTTP/1.1 405 ") and b"\r\nAllow: DELETE, GET, HEAD\r\n" in pre
         ok = await exchange(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
         assert ok.startswith(b"HTTP/1.1 200 ") and b"Allow:" not in ok
+        # HEAD is GET without the body (RFC 9110 9.3.2): the GET answer's headers, then the next answer at once
+        got = await exchange(port, b"HEAD /items/a HTTP/1.1\r\nHost: x\r\n\r\nGET /items/a HTTP/1.1\r\nHost: x"
+                                   b"\r\n\r\n", n_responses=2, until=b"}")
+        head_answer, get_answer = got.split(b"HTTP/1.1 ")[1:]
+        want = b'{"path":"/items/a","n":0}'
+        assert head_answer.startswith(b"200 ") and head_answer.endswith(b"Content-Length: %d\r\n\r\n" % len(want))
+        assert get_answer.startswith(b"200 ") and get_answer.endswith(b"\r\n\r\n" + want)
+        # no GET there: still 405, and a 404 elsewhere, both without a body (a HEAD answer never has one)
+        nope = await exchange(port, b"HEAD /echo HTTP/1.1\r\nHost: x\r\n\r\nHEAD /none HTTP/1.1\r\nHost: x\r\n\r\n"
+                                    b"GET /items/b HTTP/1.1\r\nHost: x\r\n\r\n", n_responses=3, until=b"}")
+        a405, a404, a200 = nope.split(b"HTTP/1.1 ")[1:]
+        assert a405.startswith(b"405 ") and b"\r\nAllow: POST\r\n" in a405 and a405.endswith(b"\r\n\r\n")
+        assert a404.startswith(b"404 ") and a404.endswith(b"\r\n\r\n")
+        assert a200.endswith(b'{"path":"/items/b","n":0}')
     finally:
         srv.close()

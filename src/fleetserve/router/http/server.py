@@ -84,6 +84,15 @@ def json_error(status: int, message: str, err_type: str = "invalid_request_error
     return Response(status, orjson.dumps(error_body(message, err_type, param, code)))
 
 
+class HeadResponse(Response):
+    """The answer to a HEAD request: the GET answer ``resp``'s status and headers, sent without its body."""
+
+    __slots__ = ()
+
+    def __init__(self, resp: Response) -> None:
+        super().__init__(resp.status, resp.body, resp.content_type, resp.headers)
+
+
 class Request:
     """One parsed request.  ``headers``: lower-case name -> value (last one wins)."""
 
@@ -346,14 +355,22 @@ class HttpProtocol(asyncio.Protocol):
         by_method = self.routes.get(req.path)
         if by_method is None:
             by_method = self._by_prefix(req.path)
+        head = req.method == "HEAD"  # RFC 9110 9.3.2: HEAD is GET without the body, whatever the answer
         if by_method is None:
-            return json_error(404, f"no route for {req.path}", "not_found_error")
+            resp = json_error(404, f"no route for {req.path}", "not_found_error")
+            return HeadResponse(resp) if head else resp
         handler = by_method.get(req.method)
+        if handler is None and head:
+            handler = by_method.get("GET")
         if handler is None:  # RFC 9110 15.5.6: a 405 names the methods the path takes, in Allow
             resp = json_error(405, f"{req.method} is not allowed on {req.path}")
-            resp.headers = [("Allow", ", ".join(sorted(by_method)))]
-            return resp
+            allowed = set(by_method) | ({"HEAD"} if "GET" in by_method else set())
+            resp.headers = [("Allow", ", ".join(sorted(allowed)))]
+            return HeadResponse(resp) if head else resp
         try:
+            if head:
+                resp = await handler(req)
+                return resp if resp is None else HeadResponse(resp)
             return await handler(req)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
@@ -362,7 +379,8 @@ class HttpProtocol(asyncio.Protocol):
             if req._streaming:
                 self.transport.close()
                 return None
-            return json_error(500, f"internal router error: {type(e).__name__}: {e}", "internal_error")
+            resp = json_error(500, f"internal router error: {type(e).__name__}: {e}", "internal_error")
+            return HeadResponse(resp) if head else resp
 
     def _by_prefix(self, path: str) -> dict[str, object] | None:
         for prefix, by_method in self.prefixes:
@@ -372,7 +390,11 @@ class HttpProtocol(asyncio.Protocol):
 
     def _send(self, resp: Response, keep_alive: bool) -> None:
         body = resp.body
-        if resp.status in _NO_BODY:  # no body, so no Content-Length or Content-Type (RFC 9110 8.6, 15.3.5)
+        if type(resp) is HeadResponse:  # the GET answer's headers, Content-Length included, and no body
+            parts = [_status_line(resp.status), b"Content-Type: ", resp.content_type.encode("latin-1"),
+                     b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
+            body = b""
+        elif resp.status in _NO_BODY:  # no body, so no Content-Length or Content-Type (RFC 9110 8.6, 15.3.5)
             body = b""
             parts = [_status_line(resp.status)]
         else:
