@@ -84,6 +84,22 @@ def _api_error(e: APIError) -> web.Response:
     return web.json_response(e.to_dict(), status=e.status)
 
 
+@web.middleware
+async def _json_http_errors(request: web.Request, handler):
+    """aiohttp's own 404 / 405 (and other HTTP errors it raises) in the engine's JSON error shape, not plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error" if e.status < 500 else \
+            "internal_server_error"
+        message = f"no route for {request.path}" if e.status == 404 else \
+            f"{request.method} is not allowed on {request.path}" if e.status == 405 else e.reason
+        return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                                 status=e.status, headers={k: v for k, v in e.headers.items() if k == "Allow"})
+
+
 def _unavailable(e: SimEngineError) -> APIError:
     """The engine's answer when its scheduler is gone: 503 ``engine_unavailable``."""
     return APIError(str(e), 503, None, "engine_unavailable")
@@ -102,7 +118,7 @@ class SimWorker:
         self.model_name = model_name
         self.stream_interval = stream_interval
         self.url = url
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_http_errors])
         r = self.app.router
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat)

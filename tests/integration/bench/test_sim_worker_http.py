@@ -343,3 +343,15 @@ async def test_a_client_that_leaves_a_non_streamed_request_frees_the_engine(work
             break
         await asyncio.sleep(0.05)
     assert load["num_reqs"] == 0
+
+
+@pytest.mark.timeout(60)
+async def test_unknown_paths_and_wrong_methods_get_json_errors(workers):
+    base = f"http://127.0.0.1:{PORT}"
+    async with workers.get(base + "/v1/chat/completions") as r:
+        assert r.status == 405 and "POST" in r.headers["Allow"]
+        assert (await r.json())["error"]["message"] == "GET is not allowed on /v1/chat/completions"
+    async with workers.post(base + "/nowhere", json={}) as r:
+        assert r.status == 404
+        assert (await r.json())["error"] == {"message": "no route for /nowhere", "type": "not_found_error",
+                                             "param": None, "code": None}
