@@ -60,8 +60,8 @@ async def test_retrieve_model_is_answered_by_a_worker_like_v1_models(engine_like
         assert (st, orjson.loads(body)) == (404, NOT_FOUND)
         st, body, h = await get(s, r.url + "/v1/models/", None)  # no id: no route, as before
         assert st == 404 and orjson.loads(body)["error"]["message"] == "no route for /v1/models/"
-        async with s.post(r.url + "/v1/models/" + SERVED) as resp:  # GET only
-            assert resp.status == 405 and resp.headers["Allow"] == "GET"
+        async with s.post(r.url + "/v1/models/" + SERVED) as resp:  # GET (and HEAD) only
+            assert resp.status == 405 and resp.headers["Allow"] == "GET, HEAD"
     assert seen == [("/v1/models/" + SERVED, None), ("/v1/models/nope", None)]
 
 
@@ -92,4 +92,4 @@ async def test_version_is_answered_by_the_router_as_the_engine_does(InProcessRou
             st, body, h = await get(s, r.url + "/version")
             assert (st, body, h["Content-Type"]) == (200, expected, "application/json")
             async with s.post(r.url + "/version") as resp:
-                assert resp.status == 405 and resp.headers["Allow"] == "GET"
+                assert resp.status == 405 and resp.headers["Allow"] == "GET, HEAD"
