@@ -3,6 +3,7 @@ held ends with an error, new ones are refused, and its worker answers 503 ``engi
 (``/health`` included) instead of hanging. The fault is injected: a radix-cache insert that raises."""
 
 import asyncio
+import contextlib
 import json
 import socket
 
@@ -74,17 +75,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.timeout(30)
-async def test_the_worker_answers_503_engine_unavailable_once_its_engine_failed():
-    e = SimEngine(model(), name="w0")
+@contextlib.asynccontextmanager
+async def served(e: SimEngine):
+    """A SimWorker around ``e`` on a free port, ``e`` started; yields its base URL; stops both on exit."""
     port = free_port()
     worker = SimWorker(e, make_tokenizer("word"), "sim-model", 1, f"http://127.0.0.1:{port}")
     runner = web.AppRunner(worker.app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     e.start()
-    base = f"http://127.0.0.1:{port}"
     try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await e.stop()
+        await runner.cleanup()
+
+
+@pytest.mark.timeout(30)
+async def test_the_worker_answers_503_engine_unavailable_once_its_engine_failed():
+    e = SimEngine(model(), name="w0")
+    async with served(e) as base:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
             async with s.post(base + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}) as r:
                 assert r.status == 200  # a healthy engine first
@@ -106,27 +116,15 @@ async def test_the_worker_answers_503_engine_unavailable_once_its_engine_failed(
                     assert r.status == 503, path
                     err = (await r.json())["error"]
                 assert err["code"] == "engine_unavailable" and "injected insert failure" in err["message"], path
-    finally:
-        await e.stop()
-        await runner.cleanup()
 
 
 @pytest.mark.timeout(30)
 async def test_a_request_over_the_kv_capacity_gets_context_length_exceeded():
     e = SimEngine(model(), name="w0")
-    port = free_port()
-    worker = SimWorker(e, make_tokenizer("word"), "sim-model", 1, f"http://127.0.0.1:{port}")
-    runner = web.AppRunner(worker.app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    e.start()
-    try:
+    async with served(e) as base:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-            async with s.post(f"http://127.0.0.1:{port}/v1/completions",
+            async with s.post(base + "/v1/completions",
                               json={"prompt": [1, 2, 3], "max_tokens": 20_000}) as r:
                 assert r.status == 400
                 err = (await r.json())["error"]
         assert err["code"] == "context_length_exceeded" and "exceeds the KV capacity (10000 tokens)" in err["message"]
-    finally:
-        await e.stop()
-        await runner.cleanup()
