@@ -528,6 +528,7 @@ class KvAwarePolicy:
         band = self.balance_band
         rows = []  # each target's cost inputs; scored once all are known (the band needs their lowest)
         firsts = []  # each target's cached_tokens before its queued prompts are looked at, and what it needs then
+        q_min = l_min = math.inf  # the least queued prefill and load over the targets (the band's floors)
         stop = None  # the least of those among the targets the sorted scan covers
         for w, rank, ranks in targets:
             url = w.url
@@ -613,13 +614,18 @@ class KvAwarePolicy:
                 if pool is not None:
                     extra = overflow_weight * _overflow(load, uncached + decode_tokens, pool)
             reqs = inflight.get(lk, 0) if rank is not None else w.load
+            if queued < q_min:
+                q_min = queued
+            if load < l_min:
+                l_min = load
             rows.append((uncached, queued, load, extra, reqs, lk, order, w, rank, branch, cached, reason, tenant,
                          mine, seen))
         q_floor = l_floor = 0.0
         if band and len(rows) > 1:  # the balance terms count only the excess over the band (balance_floor)
-            q_floor = balance_floor([r[1] for r in rows], band)
-            l_floor = balance_floor([r[2] for r in rows], band)
+            q_floor = (1.0 + band) * q_min
+            l_floor = (1.0 + band) * l_min
         floors = q_floor or l_floor
+        best_cost = best_tie = None
         for uncached, queued, load, extra, reqs, lk, order, w, rank, branch, cached, reason, tenant, mine, seen in rows:
             if floors:
                 cost = (prefill_weight * uncached + queue_weight * max(0.0, queued - q_floor)
@@ -629,19 +635,21 @@ class KvAwarePolicy:
             if terms is not None:
                 terms.append(f"{tenant} {branch} cached={cached} queued={queued} load={load} (router {mine}, "
                              f"engine {'-' if seen is None else seen}) reqs={reqs} cost={cost:.1f}")
-            score = (cost, reqs, chosen_at.get(lk, -1), order)  # ties: least recently chosen
             if idle_on:
                 wait = prefill_weight * (uncached + queued) + load_weight * load
                 if not reqs and not queued and (idle_best is None or wait < idle_best[0]):
                     idle_best = (wait, order, w, rank, branch, cached, reason)
-            if best is None or score < best[0]:
-                best = (score, w, rank, branch, cached, reason)
+            # lowest cost; ties: fewest in-flight requests, then the least recently chosen, then the order
+            if best_cost is None or cost < best_cost or (
+                    cost == best_cost and (reqs, chosen_at.get(lk, -1), order) < best_tie):
+                best_cost, best_tie = cost, (reqs, chosen_at.get(lk, -1), order)
+                best = (w, rank, branch, cached, reason)
                 if idle_on:
                     best_wait = wait
         if terms is not None and (q_floor or l_floor):
             terms.append(f"band {band}: queued counted above {q_floor:.0f}, load above {l_floor:.0f}")
-        score, w, rank, branch, cached, reason = best
-        if (idle_best is not None and idle_best[1] != score[3]
+        w, rank, branch, cached, reason = best
+        if (idle_best is not None and idle_best[1] != best_tie[2]
                 and idle_rule(best_wait, idle_best[0], self.balance_abs_threshold, self.balance_rel_threshold)):
             if terms is not None:
                 terms.append(f"idle rule: wait {best_wait:.1f} on {w.url} against {idle_best[0]:.1f} on the idle "
