@@ -113,6 +113,9 @@ class WorkerRegistry:
     def __init__(self) -> None:
         self._by_url: dict[str, Worker] = {}
         self.workers: list[Worker] = []  # read-only view for the hot path; replaced on change
+        # removed workers whose requests were still in flight, by url: re-adding the url takes that
+        # object back, so those requests stay in its load (and release it when they end)
+        self._departed: dict[str, Worker] = {}
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -121,9 +124,23 @@ class WorkerRegistry:
         return self._by_url.get(normalize_url(url))
 
     def add(self, worker: Worker) -> bool:
-        """Register ``worker``; False if its URL is already present."""
+        """Register ``worker``; False if its URL is already present.
+
+        When the URL was removed while requests to it were still in flight and those have not all
+        ended, the removed :class:`Worker` object is registered again instead, with ``worker``'s
+        settings (circuit breaker, API key, fresh counters) and its own ``load``: the requests in
+        flight count in the load the policies see and take themselves off it as they end.  (A new
+        object would start at load 0 while they still run there.)
+        """
         if worker.url in self._by_url:
             return False
+        old = self._departed.pop(worker.url, None)
+        if old is not None and old.load > 0:
+            load = old.load
+            for name in Worker.__slots__:
+                setattr(old, name, getattr(worker, name))
+            old.load = load
+            worker = old
         self._by_url[worker.url] = worker
         self.workers = [*self.workers, worker]
         return True
@@ -134,6 +151,10 @@ class WorkerRegistry:
         if worker is not None:
             worker.removed = True
             self.workers = [w for w in self.workers if w is not worker]
+            for u in [u for u, w in self._departed.items() if w.load <= 0]:
+                del self._departed[u]  # their requests all ended: nothing to carry over any more
+            if worker.load > 0:
+                self._departed[worker.url] = worker
         return worker
 
     def available(self) -> list[Worker]:

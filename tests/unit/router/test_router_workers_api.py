@@ -148,3 +148,56 @@ async def test_a_failing_worker_shows_unhealthy_at_once_though_its_health_checks
         lw = await shown()
         assert (lw["is_healthy"], lw["status"], lw["consecutive_failures"], lw["circuit_breaker"]) == (
             True, "ready", 0, "half_open")
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_re_added_mid_request_keeps_that_request_in_its_load(start_app, InProcessRouter):
+    """Removed while a request to it is in flight, then added again before that request ends: the
+    re-added worker's ``load`` counts the request (1, not 0), and goes back to 0 when it ends (never
+    below).  A worker removed with nothing in flight comes back as a fresh one."""
+    release = asyncio.Event()
+    arrived = asyncio.Event()
+
+    async def health(request):
+        return web.json_response({})
+
+    async def generate(request):
+        arrived.set()
+        await asyncio.wait_for(release.wait(), 20)
+        return web.json_response({"text": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/generate", generate)
+    runner, u = await start_app(app)
+    try:
+        async with InProcessRouter(worker_urls=[u]) as r, aiohttp.ClientSession() as s:
+            async def load():
+                return (await call(s, "GET", r.url + path_of(u)))[1]["load"]
+
+            pending = asyncio.ensure_future(call(s, "POST", r.url + "/generate", json={"text": "x"}))
+            await asyncio.wait_for(arrived.wait(), 10)
+            assert await load() == 1
+            assert (await call(s, "DELETE", r.url + path_of(u)))[0] == 200
+            assert (await call(s, "POST", r.url + "/workers", json={"url": u}))[0] == 202
+            for _ in range(100):
+                st, one, _ = await call(s, "GET", r.url + path_of(u))
+                if st == 200 and one["status"] == "ready":
+                    break
+                await asyncio.sleep(0.05)
+            assert (one["status"], one["load"]) == ("ready", 1)
+            release.set()
+            st, body, _ = await pending
+            assert (st, body["text"]) == (200, "ok")
+            assert await load() == 0
+            # nothing in flight now: removed and added again, it starts from a clean slate
+            assert (await call(s, "DELETE", r.url + path_of(u)))[0] == 200
+            assert (await call(s, "POST", r.url + "/workers", json={"url": u}))[0] == 202
+            for _ in range(100):
+                st, one, _ = await call(s, "GET", r.url + path_of(u))
+                if st == 200 and one["status"] == "ready":
+                    break
+                await asyncio.sleep(0.05)
+            assert (one["status"], one["load"], one["requests"]) == ("ready", 0, 0)
+    finally:
+        await runner.cleanup()
