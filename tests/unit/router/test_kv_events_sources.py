@@ -5,6 +5,7 @@ import json
 import pytest
 
 from fleetserve.router.kv_events.sources import (
+    MAX_DP_SIZE,
     connecting_endpoint,
     endpoints_from_info,
     parse_endpoint_flags,
@@ -130,3 +131,99 @@ def test_a_worker_naming_no_publisher_is_logged_once(caplog):
                      f"kv-events: {url}/null names no KV-event publisher (its kv_events_config names publisher "
                      "'null', which publishes nothing to subscribe to, no --kv-events-endpoint for it): routed on "
                      "the approximate tree (branch=fallback) until it does; start it with --kv-events-config"]
+
+
+def test_unusable_ports_and_dp_sizes_raise_naming_the_field():
+    for ep, rank in (("tcp://*:notaport", 0), ("tcp://*:70000", 0), ("tcp://*:0", 0), ("tcp://*:65535", 1)):
+        with pytest.raises(ValueError, match="KV-event endpoint"):
+            rank_endpoint(ep, "http://h:1", rank)
+    assert rank_endpoint("tcp://*:65535", "http://h:1", 0) == "tcp://h:65535"
+    cfg = {"publisher": "zmq", "endpoint": "tcp://*:5557"}
+    for dp in (100_000, MAX_DP_SIZE + 1, 0, -2, "2", 1.5, True):
+        with pytest.raises(ValueError, match="dp_size"):
+            endpoints_from_info({"dp_size": dp, "kv_events_config": cfg}, "http://h:1")
+    assert len(endpoints_from_info({"dp_size": MAX_DP_SIZE, "kv_events_config": cfg}, "http://h:1")) == MAX_DP_SIZE
+    assert endpoints_from_info({"dp_size": None, "kv_events_config": cfg}, "http://h:1") == [
+        (0, "tcp://h:5557", None, "")]  # not reported: one rank
+    with pytest.raises(ValueError, match="over 65535"):  # ranks 0..9 would run past 65535 from 65530
+        endpoints_from_info({"dp_size": 10, "kv_events_config": {"endpoint": "tcp://*:65530"}}, "http://h:1")
+
+
+def test_a_worker_with_an_unusable_config_leaves_the_others_subscribed(caplog):
+    """One worker whose /get_server_info names a port that is not a number, one that reports dp_size 100000
+    (which once made the router open a socket and a thread per rank until it ran out of files and stalled):
+    each is logged once and routed on the tree; the good worker beside them is subscribed, no thread is
+    started for the bad ones, and --dp-aware does not take the huge dp_size as 100000 targets."""
+    import asyncio
+    import threading
+
+    import aiohttp
+    from aiohttp import web
+
+    from fleetserve.router.kv_events.policy import KvAwarePolicy
+    from fleetserve.router.kv_events.sources import KvEventSources
+
+    async def main():
+        def answer(body):
+            async def handler(_request):
+                return web.json_response(body)
+            return handler
+
+        app = web.Application()
+        app.router.add_get("/good/get_server_info", answer(
+            {"dp_size": 2, "kv_events_config": {"publisher": "zmq", "endpoint": "tcp://*:25911"}}))
+        app.router.add_get("/port/get_server_info", answer(
+            {"dp_size": 1, "kv_events_config": {"publisher": "zmq", "endpoint": "tcp://*:notaport"}}))
+        app.router.add_get("/huge/get_server_info", answer(
+            {"dp_size": 100_000, "kv_events_config": {"publisher": "zmq", "endpoint": "tcp://*:25920"}}))
+        app.router.add_get("/huge-no-events/get_server_info", answer({"dp_size": 100_000}))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        urls = [url + "/port", url + "/huge", url + "/good", url + "/huge-no-events"]
+
+        class Registry:
+            def urls(self):
+                return urls
+
+        class Router:
+            registry = Registry()
+
+            @staticmethod
+            def own_headers(url):
+                return {}
+
+        policy = KvAwarePolicy(dp_aware=True)
+        sources = KvEventSources(policy)
+        threads_before = threading.active_count()
+        try:
+            async with aiohttp.ClientSession() as session:
+                Router.session = session
+                with caplog.at_level("WARNING", logger="fleetserve.router"):
+                    await sources.sync(Router)
+                    sources._asked.clear()  # ask again at once: no second line for the same worker
+                    await sources.sync(Router)
+                subscribed = {u: sorted(s) for u, s in policy.subs.items()}
+                threads = threading.active_count() - threads_before
+                ranks = {u: policy.ranks(u) for u in urls}
+        finally:
+            sources.close()
+            await runner.cleanup()
+        return url, subscribed, threads, ranks
+
+    url, subscribed, threads, ranks = asyncio.run(main())
+    assert subscribed == {url + "/good": [0, 1]}
+    assert threads == 2  # the good worker's two ranks
+    assert ranks == {url + "/port": (0,), url + "/huge": (0,), url + "/good": [0, 1],
+                     url + "/huge-no-events": (0,)}
+    lines = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("kv-events: "))
+    assert lines == sorted([
+        f"kv-events: {url}/port: KV-event endpoint 'tcp://*:notaport': port 'notaport' is not a number in 1..65535; "
+        "routed on the approximate tree (branch=fallback)",
+        f"kv-events: {url}/huge: its /get_server_info dp_size 100000 is not a whole number in 1..{MAX_DP_SIZE} (the "
+        "most ranks this router subscribes to); routed on the approximate tree (branch=fallback)",
+        f"kv-events: {url}/huge-no-events: its /get_server_info dp_size 100000 is not a whole number in "
+        f"1..{MAX_DP_SIZE} (the most ranks this router subscribes to); routed on the approximate tree "
+        "(branch=fallback)"])

@@ -59,3 +59,20 @@ def test_malformed_messages_are_counted_and_change_nothing():
     assert s.malformed == 3 and s.state == "exact" and s.last_seq == 0 and ix.blocks_of((URL, 0)) == 1
     s.on_message(msg(1, stored(2, [3, 4], parent=1)))
     assert s.last_seq == 1 and s.gaps == 0
+
+
+def test_a_lost_connection_drops_the_entries_and_exact_turns_degraded():
+    told = []
+    ix = BlockIndex()
+    s = Subscription(URL, 0, "tcp://127.0.0.1:1", ix, on_lost=told.append)
+    s.on_message(msg(0, stored(1, [1, 2]), stored(2, [3, 4], parent=1)))
+    assert (s.state, ix.blocks_of((URL, 0))) == ("exact", 2)
+    s.lost()
+    assert (s.state, ix.blocks_of((URL, 0)), s.disconnects, told) == ("degraded", 0, 1, [(URL, 0)])
+    s.on_message(msg(1, stored(3, [5, 6])))  # it lived on: the stream goes on, still a subset
+    assert (s.state, ix.blocks_of((URL, 0))) == ("degraded", 1)
+    s.on_message(msg(0, stored(4, [7, 8])))  # it had restarted: a clean state from seq 0
+    assert (s.state, ix.blocks_of((URL, 0))) == ("exact", 1)
+    f = Subscription(URL, 1, "tcp://127.0.0.1:1", ix)  # nothing received yet: stays fallback
+    f.lost()
+    assert f.state == "fallback"

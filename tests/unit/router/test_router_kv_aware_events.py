@@ -389,3 +389,68 @@ async def test_kv_events_endpoint_flag_for_a_worker_without_server_info_config(s
     finally:
         for rn in runners:
             await rn.cleanup()
+
+
+async def test_a_publisher_that_exits_takes_its_entries_with_it(start_app, InProcessRouter, publishers):
+    """The engine behind w0 exits (its publisher process is killed): its KV-event connection drops, so the
+    router drops w0's index entries and its approximate-tree entries and turns it degraded.  Before, the
+    entries stayed until the restarted engine's first event, and the first request after a restart was
+    predicted a hit (``cached_tokens=60``) that the new engine did not have."""
+    pa = publishers("sglang")
+    runners, urls = await fleet(start_app, [(pa, 1)])
+    try:
+        async with InProcessRouter(worker_urls=urls, policy="kv_aware", kv_speculative_ttl_secs=0.0) as r, \
+                aiohttp.ClientSession() as s:
+            pol = r.router.policy
+            await wait_for(subs_ready(pol, urls), what="subscriptions")
+            await asyncio.sleep(0.3)  # let the SUB connect
+            pa.do(op="store", tokens=PREFIX)
+            await wait_for(lambda: pol.index.blocks_of((urls[0], 0)) == 16, what="w0's blocks indexed")
+            assert pol.trust(urls[0], 0) == "exact"
+            async with s.post(r.url + "/generate", json={"input_ids": PREFIX + [7, 7, 7, 7]}) as resp:
+                assert resp.status == 200
+                assert "cached_tokens=64" in resp.headers["x-fleetserve-route"]
+            assert pol.tree.tenant_sizes().get(urls[0], 0) > 0
+            pa.p.kill()  # the engine exits
+            pa.p.wait(timeout=5)
+            sub = pol.subs[urls[0]][0]
+            await wait_for(lambda: sub.disconnects == 1, what="the lost connection")
+            await wait_for(lambda: urls[0] not in pol.tree.tenant_sizes(), what="the tree entries dropped")
+            assert pol.index.blocks_of((urls[0], 0)) == 0
+            assert pol.trust(urls[0], 0) == "degraded"
+            async with s.post(r.url + "/generate", json={"input_ids": PREFIX + [7, 7, 7, 7]}) as resp:
+                assert resp.status == 200
+                assert "cached_tokens=0" in resp.headers["x-fleetserve-route"], resp.headers["x-fleetserve-route"]
+    finally:
+        for rn in runners:
+            await rn.cleanup()
+
+
+async def test_a_prompt_over_the_tokenize_limit_is_routed_on_its_text(start_app, InProcessRouter, monkeypatch,
+                                                                      caplog):
+    """A prompt over MAX_TOKENIZE_CHARS (4 Mi characters; 10,000 here) is not tokenized (that took a core for
+    seconds per 12 MB, with a 512 MiB body limit): routed on its text, ``reason=text``, one warning; a
+    shorter one is tokenized as before."""
+    from fleetserve.models.tokenizer import tokenizer_dir
+    from fleetserve.router.kv_events import policy as policy_mod
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+
+    monkeypatch.setattr(policy_mod, "MAX_TOKENIZE_CHARS", 10_000)
+    runners, urls = await fleet(start_app, [(None, 1)])
+    try:
+        async with InProcessRouter(worker_urls=urls, policy="kv_aware", tokenizer_path=tokenizer_dir()) as r, \
+                aiohttp.ClientSession() as s:
+            with caplog.at_level("WARNING", logger="fleetserve.router"):
+                for words, reason in ((2_000, "reason=text"), (1_500, None)):  # 12,000 and 9,000 characters
+                    async with s.post(r.url + "/v1/completions", json={"prompt": "hello " * words}) as resp:
+                        route = resp.headers["x-fleetserve-route"]
+                        assert (reason in route) if reason else ("reason=" not in route), route
+                        n = 12_000 // 4 if reason else len(RouterTokenizer(tokenizer_dir()).encode("hello " * words))
+                        assert f"prompt_tokens={n};" in route + ";", route  # text: 4 characters a token
+            assert r.router.policy.too_long == 1
+            assert [m.getMessage() for m in caplog.records if "routed on its text" in m.getMessage()] == [
+                "kv_aware: a prompt of 12000 characters, over the 10000 this router tokenizes, is routed on its "
+                "text (branch=fallback reason=text; 1 so far)"]
+    finally:
+        for rn in runners:
+            await rn.cleanup()

@@ -141,12 +141,16 @@ class ByteLevelBPE:
         self.pre, self.post = pre, post
         self.pre_chars, self.post_chars = _as_chars(pre), _as_chars(post)
         self.max_words = max_words
-        self.words: dict[str, list[int]] = {}  # regex piece -> its BPE ids
-        self.segments: dict[str, list[int]] = {}  # ASCII chunk ("word,") -> ids of " word," (see _segments)
-        self.heads: dict[str, list[int]] = {}  # ASCII chunk that starts a text -> its ids
+        # _untracked: every cached id sequence is a tuple of ints, never a list.  The cyclic GC stops
+        # tracking such a tuple at its first pass, where a list stays tracked for good; the caches hold
+        # up to ~160k entries, and as lists a full collection walked them all, stopping every thread
+        # (the event loop too) for ~100 ms at a time while new text was being tokenized.
+        self.words: dict[str, tuple[int, ...]] = {}  # regex piece -> its BPE ids
+        self.segments: dict[str, tuple[int, ...]] = {}  # ASCII chunk ("word,") -> ids of " word," (see _segments)
+        self.heads: dict[str, tuple[int, ...]] = {}  # ASCII chunk that starts a text -> its ids
         self.max_blocks = max_blocks
         # (parent node, block) -> (node, ids, the ids as characters or None: _as_chars)
-        self.blocks: dict[tuple[int, str], tuple[int, list[int], str | None]] = {}
+        self.blocks: dict[tuple[int, str], tuple[int, tuple[int, ...], str | None]] = {}
         self._nodes = count(1)  # block node ids (0: a text's start); next() on a count is atomic under the GIL
         self.block_hits = self.block_misses = 0
         self.fallbacks = 0  # texts the library encoded because the pieces did not cover them
@@ -270,7 +274,7 @@ class ByteLevelBPE:
                     if len(blocks) >= self.max_blocks:
                         blocks.clear()  # the node ids in hand stay unique: later look-ups of them just miss
                     child = next(self._nodes)
-                    blocks[(node, block)] = (child, ids, piece)
+                    blocks[(node, block)] = (child, tuple(ids), piece)  # tuples: see _untracked
                     node = child
                 else:
                     node = -1  # a block not remembered: the rest of the text is encoded but not remembered
@@ -311,7 +315,7 @@ class ByteLevelBPE:
                     return False
                 if len(cache) >= self.max_words:
                     cache.clear()
-                cache[chunk] = ids
+                cache[chunk] = tuple(ids)  # see _untracked
             out += ids
         return True
 
@@ -331,7 +335,7 @@ class ByteLevelBPE:
             ids = words.get(piece)
             if ids is None:
                 mapped = piece.encode("utf-8").decode("latin-1").translate(_BYTE_LEVEL)
-                ids = [t.id for t in self.model.tokenize(mapped)]
+                ids = tuple([t.id for t in self.model.tokenize(mapped)])  # see _untracked
                 if len(words) >= self.max_words:
                     words.clear()
                 words[piece] = ids

@@ -92,7 +92,7 @@ from .index import BlockIndex
 from .held import HeldPrefixes
 from .pending import QueuedKeys, SortedPrompts, agree_from as _agree_from, one_char_per_id
 from .subscriber import DEGRADED, EXACT, FALLBACK
-from .tokenize import RouterTokenizer, request_ids_without_tokenizer
+from .tokenize import MAX_TOKENIZE_CHARS, RouterTokenizer, request_ids_without_tokenizer, text_size
 from .tokenizer_check import TOKENIZER, TokenizerCheck
 
 log = logging.getLogger("fleetserve.router")
@@ -380,6 +380,7 @@ class KvAwarePolicy:
         self.decisions = {EXACT: 0, DEGRADED: 0, FALLBACK: 0}
         self._engine_loads = None
         self.inferred_prefills = 0  # non-streamed requests whose prefill end an engine snapshot told (engine_snapshot)
+        self.too_long = 0  # prompts over MAX_TOKENIZE_CHARS, routed on their text (prepare)
         self.tokenizer_check = TokenizerCheck()
         self.chosen_at: dict = {}  # (url, rank or None) -> number of the decision that last chose it (ties)
         self._decisions = 0
@@ -444,6 +445,12 @@ class KvAwarePolicy:
             try:
                 if self.tokenizer.inline(path, body):  # short enough to cost less than a thread hand-off
                     tokens, chars = self.tokenizer.request_ids_chars(path, body)
+                elif (text_size(path, body) or 0) > MAX_TOKENIZE_CHARS:  # not worth a core for seconds
+                    self.too_long += 1
+                    if self.too_long == 1 or self.too_long % 100 == 0:
+                        log.warning("kv_aware: a prompt of %d characters, over the %d this router tokenizes, is "
+                                    "routed on its text (branch=fallback reason=text; %d so far)",
+                                    text_size(path, body), MAX_TOKENIZE_CHARS, self.too_long)
                 else:
                     tokens = await asyncio.get_running_loop().run_in_executor(
                         self._pool, self.tokenizer.request_ids, path, body)
@@ -855,6 +862,14 @@ class KvAwarePolicy:
             self.inflight.pop(lk, None)
 
     # ------------------------------------------------------------ workers
+    def forget_cached(self, url: str, rank: int) -> None:
+        """The worker's KV-event connection of DP rank ``rank`` was lost (:meth:`.subscriber.Subscription.lost`,
+        which dropped its index entries): its entries in the approximate tree go too, the rank's and the
+        whole worker's, so neither predicts what an engine that exited no longer holds.  Event loop only."""
+        for tenant in (f"{url}#{rank}", url):
+            if tenant in self.tree.tenant_sizes():
+                self.tree.remove_tenant(tenant)
+
     def on_worker_removed(self, url: str) -> None:
         prefix = url + "#"
         for tenant in [t for t in self.tree.tenant_sizes() if t == url or t.startswith(prefix)]:

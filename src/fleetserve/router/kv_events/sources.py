@@ -31,7 +31,33 @@ log = logging.getLogger("fleetserve.router")
 
 SYNC_INTERVAL_S = 1.0
 REDISCOVER_S = 10.0
+# the most DP ranks of one worker this router subscribes to (one socket and one thread per rank) or routes
+# as targets: above it the worker's dp_size is taken as a misreport (SGLang's largest DP-attention groups
+# are tens to a few hundred ranks), so a worker cannot make the router open thousands of sockets
+MAX_DP_SIZE = 256
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+def _reported_dp(info: dict):
+    """The DP size ``/get_server_info`` reports (``dp_size``, else ``data_parallel_size``), None if neither."""
+    dp = info.get("dp_size")
+    return info.get("data_parallel_size") if dp is None else dp
+
+
+def dp_size_of(info: dict) -> int | None:
+    """``/get_server_info``'s DP size: an int in ``1..MAX_DP_SIZE``, 1 when not reported; None when it is
+    reported but not such a number (see :func:`bad_dp_size`)."""
+    dp = _reported_dp(info)
+    if dp is None:
+        return 1
+    return dp if type(dp) is int and 1 <= dp <= MAX_DP_SIZE else None
+
+
+def bad_dp_size(info: dict) -> str:
+    """Why :func:`dp_size_of` refused the worker's DP size, for the router's warning."""
+    dp = _reported_dp(info)
+    return (f"its /get_server_info dp_size {dp!r} is not a whole number in 1..{MAX_DP_SIZE} (the most ranks this "
+            f"router subscribes to)")
 
 
 def parse_endpoint_flags(values: list[str]) -> dict[str, str]:
@@ -62,7 +88,15 @@ def rank_endpoint(endpoint: str, worker_url: str, rank: int) -> str:
     if host in _WILDCARDS:
         h = urlsplit(worker_url).hostname or "127.0.0.1"
         host = f"[{h}]" if ":" in h else h
-    return f"tcp://{host}:{int(port) + rank}"
+    try:
+        p = int(port)
+    except ValueError:
+        p = -1
+    if not 1 <= p or p + rank > 65535:
+        raise ValueError(f"KV-event endpoint {endpoint!r}: " + (
+            f"port {port!r} is not a number in 1..65535" if not 1 <= p <= 65535 else
+            f"DP rank {rank} would publish on port {p + rank}, over 65535"))
+    return f"tcp://{host}:{p + rank}"
 
 
 def _events_config(info: dict) -> dict | None:
@@ -77,14 +111,17 @@ def _events_config(info: dict) -> dict | None:
 
 
 def endpoints_from_info(info: dict, worker_url: str) -> list[tuple[int, str, str | None, str]] | None:
-    """``(rank, endpoint, replay_endpoint, topic)`` per DP rank from ``/get_server_info``; None without config."""
+    """``(rank, endpoint, replay_endpoint, topic)`` per DP rank from ``/get_server_info``; None without config.
+    Raises ``ValueError`` naming the field when the config's endpoints or the DP size are unusable
+    (:func:`rank_endpoint`, :func:`dp_size_of`)."""
     cfg = _events_config(info)
     if cfg is None:
         return None
     if cfg.get("publisher", "zmq") not in ("zmq",):
         return None
-    dp = info.get("dp_size", info.get("data_parallel_size", 1))
-    dp = dp if type(dp) is int and dp >= 1 else 1
+    dp = dp_size_of(info)
+    if dp is None:
+        raise ValueError(bad_dp_size(info))
     replay = cfg.get("replay_endpoint") if isinstance(cfg.get("replay_endpoint"), str) else None
     topic = cfg.get("topic") if isinstance(cfg.get("topic"), str) else ""
     return [(r, rank_endpoint(cfg["endpoint"], worker_url, r),
@@ -158,7 +195,14 @@ class KvEventSources:
         for url in urls - set(policy.subs):
             if time.monotonic() - self._asked.get(url, -1e9) < REDISCOVER_S:
                 continue
-            eps = await self.discover(router, url)
+            try:
+                eps = await self.discover(router, url)
+            except ValueError as e:  # its config names endpoints or a DP size that cannot be used
+                self._asked[url] = time.monotonic()
+                if url not in self._told:  # once per registration; the other workers go on
+                    self._told.add(url)
+                    log.warning("kv-events: %s: %s; routed on the approximate tree (branch=fallback)", url, e)
+                continue
             if url not in set(router.registry.urls()) or url in policy.subs:
                 continue  # removed (or subscribed) during the wait
             if not eps:
@@ -177,8 +221,13 @@ class KvEventSources:
                 continue
             self._asked.pop(url, None)
             subs = {}
+            loop = asyncio.get_running_loop()
+
+            def on_lost(target, loop=loop):  # from the subscription's thread: the tree lives on the loop
+                loop.call_soon_threadsafe(policy.forget_cached, *target)
+
             for rank, ep, replay, topic in eps:
-                s = Subscription(url, rank, ep, policy.index, replay, topic, self.ctx)
+                s = Subscription(url, rank, ep, policy.index, replay, topic, self.ctx, on_lost)
                 s.start()
                 subs[rank] = s
             policy.subs[url] = subs
@@ -210,8 +259,11 @@ class KvEventSources:
             self._why[url] = f"failed ({type(e).__name__})"
         if not isinstance(info, dict):
             info = {}
-        dp = info.get("dp_size", info.get("data_parallel_size"))
-        if type(dp) is int and dp >= 1:  # its ranks for --dp-aware, should it publish no events (policy.ranks)
+        dp = dp_size_of(info)
+        if dp is None:  # a misreport: rank 0 alone for --dp-aware, and no streams (the caller warns)
+            self.policy.dp_ranks.pop(url, None)
+            raise ValueError(bad_dp_size(info))
+        if _reported_dp(info) is not None:  # its ranks for --dp-aware, should it publish no events (policy.ranks)
             self.policy.dp_ranks[url] = tuple(range(dp))
         ep = self.flag_endpoints.get(url)
         self._connects.pop(url, None)
@@ -219,8 +271,6 @@ class KvEventSources:
         if connects is not None:
             self._connects[url] = connects
         if ep is not None:
-            dp = info.get("dp_size", info.get("data_parallel_size", 1))
-            dp = dp if type(dp) is int and dp >= 1 else 1
             return [(r, rank_endpoint(ep, url, r), None, "") for r in range(dp)]
         eps = endpoints_from_info(info, url)
         if eps is None:

@@ -24,6 +24,15 @@ entries are dropped and it turns fallback.  ``AllBlocksCleared`` in order ->
 exact.  A seq that goes back to 0 (the engine restarted) drops the entries
 and starts over.  Older duplicates (replay overlap) are skipped.
 
+A lost connection (the SUB socket's ``EVENT_DISCONNECTED`` after it was
+connected: the engine exited, or the link broke) drops the target's entries
+and turns ``exact`` into ``degraded``: an engine that exited lost its cache, so
+its old entries would predict hits it no longer has (until its first event
+after a restart told so); if it lived on, what the index holds is now a
+subset of its blocks, which is what ``degraded`` means.  ``on_lost`` (when
+given) is then called with the target from the subscription's thread, so that
+the policy can drop the approximate tree's entries too (:mod:`.sources`).
+
 Replay (vLLM / SGLang ``ZmqEventPublisher._service_replay``): a DEALER sends
 ``[b"", start_seq]``; the publisher's ROUTER answers ``[b"", seq, payload]``
 per buffered batch with seq >= start_seq, then ``[b"", -1, b""]``.
@@ -36,6 +45,7 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .decode import AllBlocksCleared, MalformedFrame, decode_batch, decode_message, decode_seq, encode_seq
 from .index import BlockIndex
@@ -52,7 +62,8 @@ class Subscription:
     """The KV-event stream of one (worker, DP rank); see the module docstring."""
 
     def __init__(self, worker_url: str, rank: int, endpoint: str, index: BlockIndex,
-                 replay_endpoint: str | None = None, topic: str = "", ctx: zmq.Context | None = None) -> None:
+                 replay_endpoint: str | None = None, topic: str = "", ctx: zmq.Context | None = None,
+                 on_lost=None) -> None:
         self.worker_url = worker_url
         self.rank = rank
         self.target = (worker_url, rank)
@@ -70,6 +81,9 @@ class Subscription:
         self.replays = 0
         self.replay_failures = 0
         self.rank_mismatches = 0
+        self.disconnects = 0  # lost publisher connections (see the module docstring)
+        self.on_lost = on_lost  # called with the target after a lost connection dropped its entries
+        self._connected = False  # the SUB socket's monitor saw it connected (and not disconnected since)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kv-events {worker_url} rank {rank}")
@@ -94,10 +108,17 @@ class Subscription:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        mon = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         try:
             sub.connect(self.endpoint)
             while not self._stop.is_set():
-                if not sub.poll(100):
+                ready = dict(poller.poll(100))
+                if mon in ready:
+                    self._on_monitor(mon)
+                if sub not in ready:
                     continue
                 for _ in range(MAX_MSGS_PER_ROUND):
                     try:
@@ -110,7 +131,41 @@ class Subscription:
         except Exception:  # pragma: no cover - keep the router alive whatever a socket does
             log.exception("kv-events subscription %s rank %d ended", self.worker_url, self.rank)
         finally:
+            sub.disable_monitor()
+            mon.close(0)
             sub.close(0)
+
+    def _on_monitor(self, mon) -> None:
+        """Drain the SUB socket's monitor: a disconnect after a connect is a lost publisher."""
+        while True:
+            try:
+                frames = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except Exception:  # pragma: no cover - not a monitor message
+                continue
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self._connected:
+                self._connected = False
+                self.lost()
+
+    def lost(self) -> None:
+        """The connection to the publisher was lost: drop the target's entries, ``exact`` -> ``degraded``
+        (see the module docstring), and tell ``on_lost``.  Also callable without a thread, for tests."""
+        self.disconnects += 1
+        self.index.drop_target(self.target)
+        if self.state == EXACT:
+            self.state = DEGRADED
+        log.warning("kv-events %s rank %d: publisher connection lost (engine exited?): its entries dropped, "
+                    "trust %s until its events say more", self.worker_url, self.rank, self.state)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self.target)
+            except Exception:  # pragma: no cover - a closed event loop at shutdown
+                log.debug("kv-events: on_lost failed", exc_info=True)
 
     def on_message(self, frames: list[bytes]) -> None:
         """Handle one live ``[topic, seq, payload]`` message (also callable without a thread, for tests)."""

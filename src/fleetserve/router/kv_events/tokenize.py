@@ -35,7 +35,11 @@ Where it runs (:meth:`RouterTokenizer.inline`): with the fast encoder, a
 request whose text is at most :data:`INLINE_MAX_CHARS` characters is tokenized
 on the event loop (about 0.1-0.3 ms for 2 KB; the encoder holds the GIL
 anyway, so a thread would only add the hand-off); longer ones, and every
-request without the fast encoder, go to the policy's thread pool.
+request without the fast encoder, go to the policy's thread pool, where the
+event loop still gets the GIL at least every few tens of ms (a 1.6 MB prompt of
+new text: at most 29 ms without it; 12 MB: 78 ms).  A text over
+:data:`MAX_TOKENIZE_CHARS` characters (:func:`text_size`) is not tokenized: the
+policy routes it on its text.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ from tokenizers import Tokenizer
 from .fast_bpe import ByteLevelBPE
 
 INLINE_MAX_CHARS = 8192  # longer texts are tokenized on a thread (see the module docstring)
+# longer texts are not tokenized at all (routed on their text, reason=text): about a million tokens, past
+# every model's context but the longest; tokenizing 12 MB took ~7 s of a core, and the body limit is 512 MiB
+MAX_TOKENIZE_CHARS = 1 << 22
 _CONTEXT_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -160,19 +167,9 @@ class RouterTokenizer:
         """True when ``body`` is cheap enough to tokenize on the event loop (see the module docstring)."""
         if self.fast is None:
             return False
-        if path == "/v1/chat/completions":
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or len(msgs) > 64:
-                return False
-            size = 0
-            for m in msgs:
-                c = m.get("content") if isinstance(m, dict) else None
-                if c is not None and not isinstance(c, str):
-                    return False
-                size += len(c or "")
-            return size <= INLINE_MAX_CHARS and not body.get("tools")
-        prompt = body.get("prompt") if path == "/v1/completions" else body.get("text")
-        return isinstance(prompt, str) and len(prompt) <= INLINE_MAX_CHARS
+        size = text_size(path, body)
+        return size is not None and size <= INLINE_MAX_CHARS and not (
+            path == "/v1/chat/completions" and (body.get("tools") or len(body.get("messages")) > 64))
 
     def request_ids(self, path: str, body: dict) -> list[int] | None:
         """Token ids of one request body (see the module docstring); None when it has none to give."""
@@ -206,6 +203,25 @@ class RouterTokenizer:
         except ValueError:
             return None, None
         return None, None
+
+
+def text_size(path: str, body: dict) -> int | None:
+    """Characters of the text a request would have tokenized: its string ``prompt`` / ``text``, or the
+    sum of its chat messages' string contents; None when that is not known without rendering (content
+    parts, no messages list) or there is no text to tokenize."""
+    if path == "/v1/chat/completions":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            return None
+        size = 0
+        for m in msgs:
+            c = m.get("content") if isinstance(m, dict) else None
+            if c is not None and not isinstance(c, str):
+                return None
+            size += len(c or "")
+        return size
+    prompt = body.get("prompt") if path == "/v1/completions" else body.get("text")
+    return len(prompt) if isinstance(prompt, str) else None
 
 
 def request_ids_without_tokenizer(path: str, body: dict) -> list[int] | None:
