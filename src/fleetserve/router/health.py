@@ -49,12 +49,18 @@ async def wait_healthy(session: aiohttp.ClientSession, url: str, endpoint: str, 
 
 
 def record_check(worker: Worker, ok: bool, failure_threshold: int, success_threshold: int) -> bool | None:
-    """Apply one check result; return the new ``healthy`` value if it changed, else None."""
+    """Apply one check result; return the new ``healthy`` value if it changed, else None.
+
+    A worker that becomes healthy again also starts its failed attempts in a row from zero: those
+    were what it did before it went down (``/list_workers`` and ``/workers`` would otherwise show
+    it ``not_ready`` after its recovery until a request to it succeeded, which on an idle fleet,
+    or one whose sessions stick elsewhere, may be never)."""
     if ok:
         worker.health_failures = 0
         worker.health_successes += 1
         if not worker.healthy and worker.health_successes >= success_threshold:
             worker.healthy = True
+            worker.failed_in_row = 0
             return True
     else:
         worker.health_successes = 0

@@ -22,7 +22,8 @@ READY, NOT_READY, DRAINING, PENDING = "ready", "not_ready", "draining", "pending
 
 
 def is_healthy(w: Worker) -> bool:
-    """Health checks passing, circuit not open, and no failed attempt since the last good one."""
+    """Health checks passing, circuit not open, and no failed attempt since the last good one (a request
+    that succeeded, or the health checks finding it healthy again after it was down: health.record_check)."""
     return w.healthy and w.breaker.state is not OPEN and w.failed_in_row == 0
 
 

@@ -201,3 +201,48 @@ async def test_a_worker_re_added_mid_request_keeps_that_request_in_its_load(star
             assert (one["status"], one["load"], one["requests"]) == ("ready", 0, 0)
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_back_from_being_down_shows_ready_without_a_request(start_app, InProcessRouter):
+    """Its requests failed and then its health checks: down.  Once the checks find it healthy again,
+    /workers shows it ready with no failures in a row, before any request reaches it (before, it stayed
+    ``not_ready`` with its old failures until a request to it succeeded)."""
+    state = {"up": False}
+
+    async def health(request):
+        return web.json_response({}, status=200 if state["up"] else 503)
+
+    async def generate(request):
+        return web.json_response({"error": {"message": "down"}}, status=500)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/generate", generate)
+    runner, u = await start_app(app)
+    state["up"] = True
+    try:
+        async with InProcessRouter(worker_urls=[u], health_check_interval_secs=0.1, health_failure_threshold=1,
+                                   health_success_threshold=1, retry_max_retries=1, cb_failure_threshold=100) as r, \
+                aiohttp.ClientSession() as s:
+            async def one():
+                return (await call(s, "GET", r.url + path_of(u)))[1]
+
+            assert (await call(s, "POST", r.url + "/generate", json={"text": "x"}))[0] == 500
+            assert ((await one())["status"], (await one())["consecutive_failures"]) == ("not_ready", 1)
+            state["up"] = False
+            for _ in range(100):
+                if (await one())["health_check"] is False:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await one())["health_check"] is False
+            state["up"] = True
+            for _ in range(100):
+                w = await one()
+                if w["health_check"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert (w["health_check"], w["status"], w["is_healthy"], w["consecutive_failures"], w["failures"]) == (
+                True, "ready", True, 0, 1)
+    finally:
+        await runner.cleanup()
