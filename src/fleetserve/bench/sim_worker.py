@@ -65,6 +65,7 @@ from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, Comple
 from fleetserve.entrypoints.ports import port_range_error
 from fleetserve.entrypoints.request_parse import parse_model
 from fleetserve.entrypoints.server_info import router_discovery_fields
+from fleetserve.entrypoints.tool_messages import template_messages
 from fleetserve.entrypoints.validation import (
     chat_messages, chat_sampling, check_chat_request, check_input_ids, completion_sampling, native_sampling,
 )
@@ -98,6 +99,17 @@ async def _json_http_errors(request: web.Request, handler):
             f"{request.method} is not allowed on {request.path}" if e.status == 405 else e.reason
         return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
                                  status=e.status, headers={k: v for k, v in e.headers.items() if k == "Allow"})
+
+
+def chat_prompt_ids(tok, request: ChatCompletionRequest) -> list[int]:
+    """The prompt ids of a chat request, built as the engine builds them (entrypoints/http/chat.py):
+    its checks and message shaping (:func:`check_chat_request`, :func:`chat_messages`,
+    :func:`template_messages`), then ``tok.encode_chat`` with ``tools``, ``add_generation_prompt``,
+    ``continue_final_message`` and ``chat_template_kwargs``. Raises the engine's :class:`APIError`."""
+    check_chat_request(request)
+    messages, tools = template_messages(chat_messages(request), request.tools, tok.chat_template)
+    return tok.encode_chat(messages, tools, request.add_generation_prompt, request.continue_final_message,
+                           request.chat_template_kwargs)
 
 
 def _unavailable(e: SimEngineError) -> APIError:
@@ -307,12 +319,7 @@ class SimWorker:
             body = await self._body(req)
             request = parse_model(ChatCompletionRequest, body)  # the engine's body checks: its errors
             self._check_model(request.model)
-            check_chat_request(request)  # the engine's checks and message shaping (entrypoints/validation.py)
-            msgs = chat_messages(request)
-            try:
-                ids = self.tok.encode_chat(msgs)
-            except Exception as e:  # noqa: BLE001 -- jinja and friends: the engine's 400 for it
-                raise APIError(f"messages do not fit the model's chat template: {e}", 400, "messages") from e
+            ids = chat_prompt_ids(self.tok, request)
             sp = chat_sampling(request, prompt_len=len(ids), vocab_size=self.tok.vocab_size, context_length=None)
             max_new = 128 if sp.max_new_tokens is None else sp.max_new_tokens
         except APIError as e:

@@ -57,6 +57,40 @@ from fleetserve.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list | None = None,
+                      add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      extra: dict[str, Any] | None = None) -> list[int]:
+    """The prompt ids of a chat request: ``messages`` rendered with ``tokenizer``'s chat template
+    (a transformers tokenizer), then encoded without special tokens (no extra BOS).
+
+    ``continue_final_message`` leaves the final message open (no end-of-turn, no generation
+    prompt, whatever ``add_generation_prompt`` says); ``extra`` (``chat_template_kwargs``) goes
+    to the template as variables; ``tools`` when given. The simulated worker renders with this
+    too (:mod:`fleetserve.bench.sim_tokenizer`), so its prompt counts are the engine's.
+
+    Raises:
+        APIError(400, ``messages``): the tokenizer has no chat template, or the messages do not fit it.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template; use /v1/completions", 400, "messages")
+    kwargs = dict(extra or {})
+    if tools:
+        kwargs["tools"] = tools
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+    except APIError:
+        raise
+    except Exception as e:  # jinja TemplateError and friends: the messages don't fit the template
+        raise APIError(f"messages do not fit the model's chat template: {e}", 400, "messages") from e
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 @dataclass
 class ModelInfo:
     """What the HTTP process must know about the served model.
@@ -392,25 +426,8 @@ class TokenizerManager:
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
                             extra: dict[str, Any] | None = None) -> list[int]:
-        """Render messages with the model's chat template and tokenize (no extra BOS)."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError("this model has no chat template; use /v1/completions", 400, "messages")
-        kwargs = dict(extra or {})
-        if tools:
-            kwargs["tools"] = tools
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                **kwargs,
-            )
-        except APIError:
-            raise
-        except Exception as e:  # jinja TemplateError and friends: the messages don't fit the template
-            raise APIError(f"messages do not fit the model's chat template: {e}", 400, "messages") from e
-        return self.encode(text, add_special_tokens=False)
+        """Render messages with the model's chat template and tokenize (no extra BOS); see :func:`chat_template_ids`."""
+        return chat_template_ids(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message, extra)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs; may hold U+FFFD for a partial character)."""
