@@ -1,7 +1,8 @@
 """``fleetserve router``: parse flags, wait for the workers, serve until SIGINT/SIGTERM.
 
 On SIGINT/SIGTERM it stops accepting connections and waits up to
-``--shutdown-grace-period-secs`` for the requests in flight to finish.
+``--shutdown-grace-period-secs`` for the requests in flight to finish; a second
+signal ends that wait at once (as a second Ctrl-C does in uvicorn).
 
 Exit codes: 0 after a clean stop, 1 if ``--port`` (or ``--prometheus-port``)
 cannot be bound (one log line; checked before the worker wait) or a
@@ -47,10 +48,17 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         return 2
     await router.start()
     stop = stop or asyncio.Event()
+    force = asyncio.Event()  # a second signal: stop waiting for the requests in flight
+
+    def on_signal() -> None:
+        if stop.is_set():
+            force.set()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
             pass
     servers = []
@@ -102,11 +110,12 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         if router.inflight():
             log.info("shutting down: waiting up to %.0f s (--shutdown-grace-period-secs) for %d requests in "
                      "flight", cfg.shutdown_grace_period_secs, router.inflight())
-        while router.inflight() and loop.time() < deadline:
+        while router.inflight() and loop.time() < deadline and not force.is_set():
             await asyncio.sleep(0.05)
         if router.inflight():  # their connections are closed: a client sees a cut answer, never a whole one
-            log.warning("shutting down: the grace period is over with %d requests still in flight; their "
-                        "connections are closed now", router.inflight())
+            log.warning("shutting down: %s with %d requests still in flight; their connections are closed now",
+                        "a second signal came" if force.is_set() else "the grace period is over",
+                        router.inflight())
         return 0
     finally:
         for srv in servers:
