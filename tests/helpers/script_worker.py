@@ -181,7 +181,8 @@ class ScriptWorker:
         if path == "/generate":
             for i in range(n):
                 meta = {"id": rid, "prompt_tokens": PROMPT_TOKENS + j, "completion_tokens": i + 1,
-                        "finish_reason": {"type": reason} if i == n - 1 else None}
+                        "finish_reason": ({"type": reason} if reason == "stop" else {"type": reason, "length": n})
+                        if i == n - 1 else None}  # SGLang's: a length finish names the tokens generated
                 out.append({"text": "".join(toks[:i + 1]), "output_ids": [ID0 + j + k for k in range(i + 1)],
                             "meta_info": meta})
             return out

@@ -313,6 +313,9 @@ class Migration:
                     meta["id"] = self.first_id
                 if type(meta.get("completion_tokens")) is int:
                     meta["completion_tokens"] += self.base_tokens
+                fin = meta.get("finish_reason")
+                if type(fin) is dict and fin.get("type") == "length" and type(fin.get("length")) is int:
+                    fin["length"] += self.base_tokens  # the continuation's budget was what was left of the answer's
                 if self.prompt_tokens is not None:
                     meta["prompt_tokens"] = self.prompt_tokens
             return obj

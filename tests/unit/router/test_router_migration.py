@@ -172,6 +172,28 @@ def test_stream_survives_a_dying_worker(kind, how, InProcessRouter):
 
 
 @pytest.mark.timeout(60)
+def test_a_generate_answer_cut_by_its_budget_names_the_whole_length(InProcessRouter):
+    """/generate with max_new_tokens 5: a dies after 3 tokens, b continues with a budget of 2 and ends on
+    it.  The client's last meta_info says ``{"type": "length", "length": 5}``, the answer's, not b's 2
+    (a user trial saw the continuation's own figure, next to a completion_tokens of the whole)."""
+    path = "/generate"
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": DIE_AFTER_TOKENS + 2}}
+
+    async def main():
+        async with fleet(InProcessRouter, "ab") as (s, r, (a, b)):
+            a.die(after=die_after_events("generate_text", DIE_AFTER_TOKENS), how="reset")
+            status, raw = await post(s, r.url, path, body)
+            assert status == 200, raw
+            last = json.loads(events(raw)[-2])  # the event before [DONE]
+            assert last["meta_info"]["completion_tokens"] == DIE_AFTER_TOKENS + 2
+            assert last["meta_info"]["finish_reason"] == {"type": "length", "length": DIE_AFTER_TOKENS + 2}
+            assert b.bodies[0][1]["sampling_params"]["max_new_tokens"] == 2
+            await settled(s, r)
+
+    run(main)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["generate_text", "chat"])
 def test_max_migrations_zero_gives_the_error_event(kind, InProcessRouter):
     path, body = KINDS[kind]
