@@ -109,3 +109,34 @@ def test_launch_gives_a_kv_aware_router_the_built_in_models_tokenizer(smollm2_di
     assert router_tokenizer_args(args, rest) == ["--tokenizer-path", smollm2_dir]
     args, rest = build_parser().parse_known_args(["--worker-kind", "sim", "--policy", "kv_aware"])
     assert router_tokenizer_args(args, rest) == []
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]}],
+    [{"role": "system", "content": None}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": None}, {"role": "user", "content": [{"type": "text", "text": "Again"}]}],
+])
+def test_chat_ids_match_our_engines_pipeline(smollm2_dir, engine_tokenizer, messages):
+    """Text parts, the developer role and null contents are shaped as our engine shapes them before its
+    template (chat_messages, template_messages) and count the same ids; before, a list of text parts was
+    rendered as its Python repr and every such request disagreed with the engine (tokenizer check)."""
+    from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest
+    from fleetserve.entrypoints.tokenizer_manager import chat_template_ids
+    from fleetserve.entrypoints.tool_messages import template_messages
+    from fleetserve.entrypoints.validation import chat_messages
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+
+    req = ChatCompletionRequest(model="m", messages=messages)
+    shaped, tools = template_messages(chat_messages(req), None, engine_tokenizer.chat_template)
+    theirs = chat_template_ids(engine_tokenizer, shaped, tools)
+    ours = RouterTokenizer(smollm2_dir).request_ids("/v1/chat/completions", {"messages": messages})
+    assert ours == theirs and len(ours) > 5
+
+
+def test_a_chat_with_an_image_part_has_no_ids(smollm2_dir):
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                      {"type": "image_url", "image_url": {"url": "x"}}]}]}
+    assert RouterTokenizer(smollm2_dir).request_ids("/v1/chat/completions", body) is None

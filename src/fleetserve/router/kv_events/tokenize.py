@@ -13,8 +13,9 @@ the text is then encoded without special tokens, as our engine and SGLang do.
 
 Which ids a request gets (:meth:`RouterTokenizer.request_ids`):
 
-* ``/v1/chat/completions``: the rendered ``messages`` (plus ``tools``,
-  ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``);
+* ``/v1/chat/completions``: the rendered ``messages`` (shaped as the engine shapes them:
+  :func:`template_chat`; plus ``tools``, ``add_generation_prompt``, ``continue_final_message``,
+  ``chat_template_kwargs``);
 * ``/v1/completions``: a string ``prompt`` encoded with special tokens, or its token ids;
 * ``/generate``: ``input_ids``, else ``text`` encoded with special tokens.
 
@@ -180,8 +181,8 @@ class RouterTokenizer:
         where the ids were not encoded here or the encoder did not have them at hand)."""
         try:
             if path == "/v1/chat/completions":
-                msgs = body.get("messages")
-                if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                msgs = template_chat(body.get("messages"))
+                if msgs is None:
                     return None, None
                 extra = body.get("chat_template_kwargs")
                 text = self.render_chat(msgs, body.get("tools"), body.get("add_generation_prompt", True) is not False,
@@ -203,6 +204,34 @@ class RouterTokenizer:
         except ValueError:
             return None, None
         return None, None
+
+
+def template_chat(messages) -> list[dict] | None:
+    """``messages`` as the engine hands them to the chat template: a list of text parts becomes their
+    texts joined by newlines, a null content an empty one, and a ``developer`` message a ``system`` one, as
+    our engine does
+    (``entrypoints/validation.chat_messages``; vLLM joins text parts with newlines too).  None when
+    they are not a list of messages or a part is not text (an image: no ids to compute here).
+    Tool definitions and calls are left as they are: how they reach the template differs from
+    engine to engine (a difference the tokenizer check then shows, :mod:`.tokenizer_check`)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return None
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    return None
+                texts.append(part["text"])
+            m = {**m, "content": "\n".join(texts)}
+        elif content is None:
+            m = {**m, "content": ""}
+        if m.get("role") == "developer":
+            m = {**m, "role": "system"}
+        out.append(m)
+    return out
 
 
 def text_size(path: str, body: dict) -> int | None:
