@@ -24,7 +24,9 @@ reason (``stop`` at the script's end, else ``length``), usage when asked
 ``close`` (FIN, chunked body unfinished), ``error`` (an error event, then a clean end, as an
 engine that died does) or ``stall`` (nothing more); with ``k`` past the last event, it sends
 ``[DONE]`` and then resets before the chunked body's end.  ``bodies`` holds every request body,
-``headers`` every request's headers.
+``headers`` every request's headers.  A request whose connection the client closes before the
+answer's end is aborted, as an engine does: it stops streaming, and ``aborted`` records when (the
+loop's time), one entry per request.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class ScriptWorker:
         self.live: set[_Conn] = set()
         self.dying: tuple[int, str] | None = None
         self.sent_events = 0
+        self.aborted: list[float] = []  # loop times of requests cut short by their client closing the connection
         self._server = None
         self.port = 0
 
@@ -127,6 +130,11 @@ class ScriptWorker:
         for c in list(self.live):
             c.transport.abort()
         await self._server.wait_closed()
+
+    def answer_connections(self) -> int:
+        """Connections still open that carried an answer request (the router's proxy path; a health
+        check's kept-alive connection is not one)."""
+        return sum(1 for c in self.live if c.task is not None)
 
     def die(self, after: int, how: str = "reset") -> None:
         assert how in ("reset", "close", "error", "stall")
@@ -203,6 +211,13 @@ class ScriptWorker:
         return out
 
     async def _serve(self, conn: _Conn, path: str, req: dict) -> None:
+        try:
+            await self._answer(conn, path, req)
+        except asyncio.CancelledError:  # connection_lost: the client went away mid-answer
+            self.aborted.append(asyncio.get_running_loop().time())
+            raise
+
+    async def _answer(self, conn: _Conn, path: str, req: dict) -> None:
         t = conn.transport
         j = self._done_tokens(path, req)
         if isinstance(j, str):

@@ -191,7 +191,10 @@ def remove(router: Router, url: str) -> str | None:
     """Drop normalized ``url`` (registered, or still pending); a message saying what was done, None if unknown.
 
     A registered worker leaves routing, the policy's state and the sticky
-    sessions at once; its requests in flight still finish.
+    sessions at once.  Its streams that can migrate move to another worker at
+    their next event, and their requests on it are aborted (:mod:`.migration`);
+    its other requests in flight finish there.  Its pooled connections are
+    closed (those in use once their request ends).
     """
     worker = router.registry.remove(url)
     if worker is None:

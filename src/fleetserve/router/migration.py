@@ -63,6 +63,13 @@ went out with the first worker's answer and cannot change (nor may the stream's 
 when the answer ends well, the policy's predicted cached tokens on it are judged against its
 report (``cache_prediction_*{worker}`` of the new worker, :mod:`.prediction`).
 
+A worker removed while it streams (``/remove_worker``, ``DELETE /workers/{url}``, the end of a
+drain) is noticed at its next event.  When the stream can go on elsewhere (:meth:`Migration.leaves`)
+it moves, and the removed worker's connection is closed at once, so its engine aborts the request
+rather than generating the answer a second time; the removal is logged at INFO and is not counted as
+the worker's failure (no ``failures``, no circuit breaker change).  A stream that cannot move
+finishes on the removed worker, as non-streamed requests do.
+
 Not migrated (today's error event instead): several prompts or ``n > 1``, ``/generate`` with
 ``return_logprob``, completions with ``echo`` or a token-id prompt, chat that already sets
 ``continue_final_message``, and an answer that streamed tool calls or reasoning deltas.
@@ -97,13 +104,29 @@ _EVENT_END = re.compile(rb"\r?\n\r?\n")
 class WorkerFailed(UpstreamError):
     """The worker failed inside a stream that still looked fine on the wire.
 
-    ``event``: the worker's own error event (bytes, ends with a blank line), or b'' (e.g. the
-    worker was removed).
+    ``event``: the worker's own error event (bytes, ends with a blank line), or b''.
     """
 
     def __init__(self, message: str, event: bytes = b"") -> None:
         super().__init__(message)
         self.event = event
+
+
+class WorkerRemoved(WorkerFailed):
+    """The worker was removed (``/remove_worker``, ``DELETE /workers/{url}``, a drain's end) while it streamed.
+
+    The stream moves on like after a failure, but the removal is not the worker's fault: no
+    failure is counted against it and its circuit breaker is left as it is.
+    """
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"worker {url} removed")
+
+
+def note_removed(worker: Worker) -> None:
+    """Log (info) that a stream leaves ``worker`` because it was removed, in place of a failure warning."""
+    log.info("worker %s was removed mid-stream: the stream moves to another worker and its request on %s is "
+             "aborted (connection closed); not counted as a failure", worker.url, worker.url)
 
 
 def split_events(buf: bytes) -> tuple[list[bytes], bytes]:
@@ -197,6 +220,8 @@ class Migration:
         self.base_tokens = 0
         self.charged_tokens = 0  # of self.tokens, those already added to the policy's key (kv_aware)
         self.left_first = False  # the first worker's in-flight count was given back at the migration
+        self.stays = False  # its worker was removed but the stream could not move: it finishes there
+        self.tried: list[Worker] = []  # the workers this answer was on or offered to (by resume)
 
     # ------------------------------------------------------------------ events
     def feed(self, chunk: bytes) -> tuple[bytes, bytes | None]:
@@ -341,6 +366,23 @@ class Migration:
         return obj
 
     # ------------------------------------------------------------------ continuing
+    def leaves(self, worker: Worker) -> bool:
+        """Whether the stream must leave ``worker`` now because the worker was removed.
+
+        It leaves when it can go on elsewhere: a migration left, a continuation (or an ending) to
+        send, and an available worker not tried yet.  Otherwise it stays and finishes on the
+        removed worker, as a non-streamed request does; that is decided once.
+        """
+        if not worker.removed or self.stays:
+            return False
+        if (self.migrations < self.limit and self.plan() is not None
+                and any(w not in self.tried for w in self.router.registry.available())):
+            return True
+        self.stays = True
+        log.info("worker %s was removed mid-stream: the stream cannot move to another worker, it finishes there",
+                 worker.url)
+        return False
+
     def _limit(self) -> tuple[str | None, int | None]:
         """(the body key of the token limit, its value) -- sampling_params' for /generate."""
         b = self.body
@@ -423,7 +465,8 @@ class Migration:
         the client went away.
         """
         router = self.router
-        tried = [failed]
+        tried = self.tried
+        tried.append(failed)
         self.buf = b""  # an unfinished event of the failed worker is dropped, never sent
         if not self.left_first:  # it serves this request no more: its in-flight count drops now, not at the end
             self.left_first = True
@@ -520,9 +563,11 @@ class Migration:
                     out, err = self.feed(chunk)
                     if out:
                         await request.write(out)
-                    if err is not None or worker.removed:
-                        worker.record_failure("an error event in a migrated stream" if err is not None
-                                              else "removed during a migrated stream")
+                    if err is not None:
+                        worker.record_failure("an error event in a migrated stream")
+                        return "failed"
+                    if self.leaves(worker):  # the finally below closes the connection: the worker aborts it
+                        note_removed(worker)
                         return "failed"
             except UpstreamError as e:
                 worker.record_failure(f"migrated stream: {type(e).__name__}: {e}")

@@ -340,7 +340,12 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chun
     """Pass a streamed answer through chunk by chunk, as each arrives (``chunk``: the first piece, b'' if none;
     ``shown``: extra response headers, e.g. the route header; ``mig``: the migration tracker, which
     passes on whole events only, or None).  Returns the stream's last two chunks (where the final
-    usage / meta_info is) when this worker ended it cleanly, else None (failed, migrated, client gone)."""
+    usage / meta_info is) when this worker ended it cleanly, else None (failed, migrated, client gone).
+
+    With ``mig``, a stream whose worker was removed moves to another worker when it can
+    (:meth:`.migration.Migration.leaves`), not counted as the worker's failure.  Once the stream
+    leaves a worker (failed or removed), that worker's connection is closed before the answer goes on
+    elsewhere."""
     try:
         extra = [*_forwarded_headers(resp), *shown]
         if "cache-control" not in resp.headers:
@@ -357,14 +362,22 @@ async def _stream(request: Request, worker: Worker, resp: UpstreamResponse, chun
                     out, bad = mig.feed(chunk)
                     if out:
                         await request.write(out)
-                    if bad is not None or worker.removed:
-                        raise migration.WorkerFailed("an error event" if bad else "worker removed", bad or b"")
+                    if bad is not None:
+                        raise migration.WorkerFailed("an error event", bad)
+                    if mig.leaves(worker):
+                        raise migration.WorkerRemoved(worker.url)
                 prev, last = last, chunk
                 chunk = await resp.next_chunk()
         except UpstreamError as e:
             # bytes already reached the client, so no retry: continue on another worker (mig), else
             # close off any half event and end with an error event (and no [DONE]) rather than a silent cut
-            worker.record_failure(f"mid-stream: {type(e).__name__}: {e}")
+            if isinstance(e, migration.WorkerRemoved):
+                migration.note_removed(worker)  # not the worker's fault: no failure counted
+            else:
+                worker.record_failure(f"mid-stream: {type(e).__name__}: {e}")
+            # this worker serves the request no more: close its connection now, not when the answer ends
+            # elsewhere, so an engine aborts the request (it does when its client goes away)
+            resp.release()
             if mig is not None and await mig.resume(request, worker):
                 request.end_stream()
                 return

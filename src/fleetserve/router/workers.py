@@ -146,7 +146,8 @@ class WorkerRegistry:
         return True
 
     def remove(self, url: str) -> Worker | None:
-        """Unregister the worker at ``url`` (its in-flight requests still finish); None if unknown."""
+        """Unregister the worker at ``url``; None if unknown.  Its requests in flight keep the object
+        (``removed`` set): a stream that can migrate leaves it at its next event, the others finish."""
         worker = self._by_url.pop(normalize_url(url), None)
         if worker is not None:
             worker.removed = True

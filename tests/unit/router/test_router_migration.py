@@ -9,6 +9,7 @@ must be exactly the script, in one stream with one id, one finish reason and one
 import asyncio
 import contextlib
 import json
+import logging
 import re
 
 import aiohttp
@@ -320,6 +321,142 @@ def test_removed_worker_hands_its_stream_over(InProcessRouter):
             await b.close()
 
     run(main)
+
+
+LONG_SCRIPT = [f" w{i}" for i in range(40)]  # 40 events 0.05 s apart: 2 s on each worker
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_removing_a_worker_aborts_its_moved_stream(kind, InProcessRouter, caplog):
+    """A worker removed mid-stream: the stream goes on on the other worker, and the removed worker's
+    request is aborted at once (its connection closed), not left generating until the answer ends
+    elsewhere; the removal is no failure of the worker (counts, circuit breaker, warnings)."""
+    path, body = KINDS[kind]
+
+    async def main():
+        a = await ScriptWorker("a", LONG_SCRIPT, delay_s=0.05).start()
+        b = await ScriptWorker("b", LONG_SCRIPT, delay_s=0.05).start()
+        loop = asyncio.get_running_loop()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url, b.url],
+                                                                                  request_timeout_secs=10)) as r:
+                r.router.policy._next = 0
+                wa = r.router.registry.get(a.url)
+                task = asyncio.ensure_future(post(s, r.url, path, body))
+                while a.sent_events < 3:
+                    await asyncio.sleep(0.01)
+                removed_at = loop.time()
+                async with s.post(r.url + "/remove_worker", params={"url": a.url}) as resp:
+                    assert resp.status == 200, await resp.text()
+                status, raw = await task
+                answered_at = loop.time()
+                got = read_answer(kind, raw)
+                # (a) the client's answer is whole, finished by b
+                assert status == 200 and got["errors"] == [] and got["done"] == 1, raw.decode()
+                assert got["text"] == "".join(LONG_SCRIPT) and got["finish"] == ["stop"], got
+                assert len(b.bodies) == 1 and r.router.stats.migrations == 1
+                # (b) a's request was aborted right after the removal, long before b ended the answer
+                assert len(a.aborted) == 1, a.aborted
+                assert a.aborted[0] - removed_at < 0.5 < answered_at - a.aborted[0], \
+                    (a.aborted[0] - removed_at, answered_at - a.aborted[0])
+                assert a.sent_events < 10 and a.answer_connections() == 0  # it stopped; its connection is gone
+                # (c) the removal is not a's failure
+                assert (wa.failures, wa.failed_in_row, wa.breaker.state) == (0, 0, "closed")
+                await settled(s, r)
+        finally:
+            await a.close()
+            await b.close()
+
+    with caplog.at_level(logging.INFO, "fleetserve.router"):
+        run(main)
+    # (d) no failure warning for a; an info line for the removal instead
+    msgs = [(rec.levelno, rec.getMessage()) for rec in caplog.records if rec.name == "fleetserve.router"]
+    assert not [m for _, m in msgs if "failed a request" in m or "circuit breaker" in m], msgs
+    assert [lv for lv, m in msgs if "was removed mid-stream" in m] == [logging.INFO], msgs
+
+
+@pytest.mark.timeout(60)
+def test_a_continuation_whose_worker_is_removed_moves_again(InProcessRouter, caplog):
+    """``--max-migrations 2``: the first worker removed, then the one continuing the stream: each
+    removed worker's request is aborted, the third ends the answer, and no removal is a failure."""
+    path, body = KINDS["completions"]
+
+    async def main():
+        ws = [await ScriptWorker(n, LONG_SCRIPT, delay_s=0.05).start() for n in "abc"]
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg(
+                    [w.url for w in ws], request_timeout_secs=10, max_migrations=2)) as r:
+                r.router.policy._next = 0
+                objs = [r.router.registry.get(w.url) for w in ws]
+                task = asyncio.ensure_future(post(s, r.url, path, body))
+                removed = []
+                for _ in range(2):
+                    while not [w for w in ws if w.bodies and w not in removed]:  # the stream's next worker
+                        await asyncio.sleep(0.01)
+                    w = next(w for w in ws if w.bodies and w not in removed)
+                    while w.sent_events < 3:
+                        await asyncio.sleep(0.01)
+                    async with s.post(r.url + "/remove_worker", params={"url": w.url}) as resp:
+                        assert resp.status == 200, await resp.text()
+                    removed.append(w)
+                    while not w.aborted:
+                        await asyncio.sleep(0.01)
+                status, raw = await task
+                got = read_answer("completions", raw)
+                assert got["text"] == "".join(LONG_SCRIPT) and got["done"] == 1 and got["errors"] == [], raw.decode()
+                last = next(w for w in ws if w not in removed)
+                assert r.router.stats.migrations == 2 and len(last.bodies) == 1 and last.aborted == []
+                assert [len(w.aborted) for w in removed] == [1, 1]
+                assert all(w.answer_connections() == 0 for w in removed)
+                assert [(o.failures, o.breaker.state) for o in objs] == [(0, "closed")] * 3
+                await settled(s, r)
+        finally:
+            for w in ws:
+                await w.close()
+
+    with caplog.at_level(logging.INFO, "fleetserve.router"):
+        run(main)
+    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "fleetserve.router"]
+    assert not [m for m in msgs if "failed a request" in m], msgs
+    assert len([m for m in msgs if "was removed mid-stream" in m]) == 2, msgs
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_that_cannot_move_finishes_on_its_removed_worker(InProcessRouter, caplog):
+    """The only worker removed mid-stream: no other worker to move to, so the stream finishes there
+    (as a non-streamed request does) rather than ending with an error event."""
+    path, body = KINDS["chat"]
+
+    async def main():
+        a = await ScriptWorker("a", SCRIPT, delay_s=0.05).start()
+        try:
+            async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([a.url],
+                                                                                  request_timeout_secs=10)) as r:
+                wa = r.router.registry.get(a.url)
+                task = asyncio.ensure_future(post(s, r.url, path, body))
+                while a.sent_events < 3:
+                    await asyncio.sleep(0.01)
+                async with s.post(r.url + "/remove_worker", params={"url": a.url}) as resp:
+                    assert resp.status == 200, await resp.text()
+                status, raw = await task
+                got = read_answer("chat", raw)
+                assert got["text"] == FULL and got["done"] == 1 and got["errors"] == [], raw.decode()
+                assert a.aborted == [] and r.router.stats.migrations == 0
+                assert (wa.failures, wa.breaker.state) == (0, "closed")
+                for _ in range(100):  # its connection is closed once the answer ended, not kept in the pool
+                    if a.answer_connections() == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert a.answer_connections() == 0
+        finally:
+            await a.close()
+
+    with caplog.at_level(logging.INFO, "fleetserve.router"):
+        run(main)
+    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "fleetserve.router"]
+    assert not [m for m in msgs if "failed a request" in m], msgs
+    assert len([m for m in msgs if "cannot move to another worker" in m]) == 1, msgs
 
 
 @pytest.mark.timeout(60)

@@ -246,3 +246,45 @@ async def test_a_worker_back_from_being_down_shows_ready_without_a_request(start
                 True, "ready", True, 0, 1)
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_in_flight_on_a_deleted_worker_finishes_there_and_its_connection_closes(
+        start_app, InProcessRouter):
+    """``DELETE /workers/{url}`` while a non-streamed request is in flight there: the request finishes
+    on the removed worker, as a failure of nobody, and the router's connection to it is then closed
+    rather than kept in its pool (the worker sees its client go away)."""
+    release = asyncio.Event()
+    arrived = asyncio.Event()
+    transports = []
+
+    async def health(request):
+        return web.json_response({})
+
+    async def generate(request):
+        transports.append(request.transport)
+        arrived.set()
+        await asyncio.wait_for(release.wait(), 20)
+        return web.json_response({"text": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/generate", generate)
+    runner, u = await start_app(app)
+    try:
+        async with InProcessRouter(worker_urls=[u]) as r, aiohttp.ClientSession() as s:
+            w = r.router.registry.get(u)
+            pending = asyncio.ensure_future(call(s, "POST", r.url + "/generate", json={"text": "x"}))
+            await asyncio.wait_for(arrived.wait(), 10)
+            assert (await call(s, "DELETE", r.url + path_of(u)))[0] == 200
+            release.set()
+            st, body, _ = await pending
+            assert (st, body["text"]) == (200, "ok")
+            assert (w.load, w.failures, w.breaker.state) == (0, 0, "closed")
+            for _ in range(100):
+                if transports[0].is_closing():
+                    break
+                await asyncio.sleep(0.01)
+            assert transports[0].is_closing(), "the router kept its connection to the removed worker"
+    finally:
+        await runner.cleanup()

@@ -44,11 +44,12 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers", "chunks", "buffered", "done",
                  "error", "head_waiter", "body_waiter", "keep_alive", "got_bytes", "closed", "paused",
-                 "interim", "extra", "in_pool", "header_pairs", "head_done")
+                 "interim", "extra", "in_pool", "header_pairs", "head_done", "epoch")
 
     def __init__(self, pool: "UpstreamPool", key: str) -> None:
         self.pool = pool
         self.key = key
+        self.epoch = pool._epochs.get(key, 0)  # the pool's count of forget(key) when this connection opened
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.in_pool = False
@@ -263,6 +264,8 @@ class UpstreamPool:
         self.max_idle = max_idle_per_worker
         self._idle: dict[str, list[_Conn]] = {}
         self._addr: dict[str, tuple[str, int, bytes]] = {}
+        # how many times each worker was forgotten: a connection opened before the last time is not reused
+        self._epochs: dict[str, int] = {}
 
     def _target(self, base_url: str) -> tuple[str, int, bytes]:
         t = self._addr.get(base_url)
@@ -278,6 +281,10 @@ class UpstreamPool:
         return t
 
     def _put(self, conn: _Conn) -> None:
+        if conn.epoch != self._epochs.get(conn.key, 0):  # in use when its worker was removed: closed, not kept
+            conn.closed = True
+            conn.transport.close()
+            return
         if conn.paused:  # the body ended while reading was paused for back-pressure
             conn.transport.resume_reading()
         conn._reset()
@@ -290,7 +297,10 @@ class UpstreamPool:
             conn.transport.close()
 
     def forget(self, base_url: str) -> None:
-        """Close the idle connections to a removed worker."""
+        """Close the connections to a removed worker: the idle ones now, the ones in use when their
+        exchange ends (:meth:`UpstreamResponse.release` closes them instead of keeping them).  A worker
+        added again under the same url gets fresh connections."""
+        self._epochs[base_url] = self._epochs.get(base_url, 0) + 1
         for c in self._idle.pop(base_url, []):
             c.closed = True
             c.transport.close()
