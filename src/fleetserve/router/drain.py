@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from .admin import remove
 from .http.server import Request, Response, json_error
 from .workers import Worker, normalize_url
 
@@ -61,9 +62,7 @@ async def _drain(router: Router, worker: Worker, timeout_s: float) -> None:
         if worker.removed:  # /remove_worker came first
             return
         left = worker.load
-        router.registry.remove(worker.url)
-        router.policy.on_worker_removed(worker.url)
-        router.pool.forget(worker.url)
+        remove(router, worker.url)  # as /remove_worker: routing, the policy's state, sessions, pooled connections
         if left:
             log.warning("drained worker %s removed after %g s with %d requests still in flight", worker.url,
                         timeout_s, left)

@@ -274,3 +274,20 @@ async def test_kv_aware_dp_aware_session_choice_gets_the_policys_rank_on_the_ses
         assert pol.load_tokens == {(urls[0], 0): 10_000}  # the session request's own tokens came off again
         # the rank 0 request's text is in the tree under rank 0; rank 1 shares none of it
         assert again["cached_tokens"] == "0"
+
+
+@pytest.mark.timeout(60)
+async def test_a_drained_worker_forgets_its_sessions_too(three, InProcessRouter):
+    """/drain_worker ends as /remove_worker does: the drained worker's sessions are forgotten (before, the
+    drain removed it from routing but kept its sessions, and a re-added worker got them back)."""
+    urls = [w.url for w in three]
+    async with aiohttp.ClientSession() as s, InProcessRouter(**sticky(urls, policy="round_robin")) as r:
+        assert [await ask(s, r, "x", k) for k in ("a", "b")] == ["w0", "w1"]
+        async with s.post(r.url + f"/drain_worker?url={urls[0]}") as resp:
+            assert resp.status == 202
+        for _ in range(200):
+            if r.router.registry.get(urls[0]) is None:
+                break
+            await asyncio.sleep(0.01)
+        assert r.router.registry.get(urls[0]) is None
+        assert r.router.sessions.lookup("a") is None and r.router.sessions.lookup("b") is not None
