@@ -319,3 +319,19 @@ def test_a_long_start_up_says_who_it_still_waits_for(monkeypatch, capsys):
     notes = [line for line in err.splitlines() if line.startswith("[launch] still waiting for worker0 to answer /health (")]
     assert len(notes) >= 2 and notes[0].endswith(" s; --startup-timeout 1)"), err
     assert "not healthy within 1.0 s: worker0" in out
+
+
+@pytest.mark.parametrize("argv,grace", [
+    ([], "15"),
+    (["--shutdown-grace", "40"], "40"),
+    (["--shutdown-grace", "40", "--router-args", "--shutdown-grace-period-secs 7"], "7"),  # the router's own wins
+])
+def test_the_router_waits_for_its_requests_within_launchs_grace(argv, grace):
+    """launch stops the router first and gives it --shutdown-grace for its requests in flight (its own default,
+    180 s, would outlast launch's SIGKILL); a --router-args value comes later and wins (argparse: last one)."""
+    from fleetserve.router.config import build_parser as router_parser
+
+    args, instance_args = launch.build_parser().parse_known_args(argv)
+    router = launch.router_argv(args, instance_args)
+    assert [router[i + 1] for i, tok in enumerate(router) if tok == "--shutdown-grace-period-secs"][-1] == grace
+    assert router_parser().parse_args(router).shutdown_grace_period_secs == float(grace)

@@ -28,8 +28,10 @@ Life cycle:
    (``POST /remove_worker?url=``) and, with ``--restart-workers``, started
    again on its port and re-registered (``POST /add_worker?url=``) once
    healthy; a dead router ends the launch;
-4. on SIGINT/SIGTERM/SIGHUP (or a dead router) send SIGTERM to every process group,
-   wait ``--shutdown-grace`` seconds, SIGKILL what is left, and return. If this
+4. on SIGINT/SIGTERM/SIGHUP (or a dead router) send SIGTERM to the router, which lets its
+   requests in flight finish for up to ``--shutdown-grace`` seconds (passed as its
+   ``--shutdown-grace-period-secs``) while the instances still serve them, then to every
+   instance's process group; SIGKILL what is left past the grace, and return. If this
    process is killed outright (SIGKILL), each child gets SIGTERM from the kernel
    (``PR_SET_PDEATHSIG``, Linux), so nothing outlives the launch.
 
@@ -298,7 +300,9 @@ def router_argv(args: argparse.Namespace, instance_args: list[str]) -> list[str]
         address, extra = ["--host", args.router_host, "--port", str(args.port)], _without_address(extra)
     else:
         address = ["--host", args.host, "--port", str(args.port)]
-    return [*address, "--policy", args.policy, "--worker-urls", *urls,
+    # the router's own wait for its requests in flight, within launch's (shutdown); --router-args win
+    grace = ["--shutdown-grace-period-secs", f"{args.shutdown_grace:g}"]
+    return [*address, "--policy", args.policy, "--worker-urls", *urls, *grace,
             *router_tokenizer_args(args, instance_args), *router_key_args(args, instance_args), *extra]
 
 
@@ -310,6 +314,10 @@ EXAMPLE_BODY = ('{"messages":[{"role":"user","content":"What is the capital of F
 
 # seconds between the "still waiting" lines while instances start
 PROGRESS_EVERY_S = 15.0
+# shutdown: the router's time to exit after its grace period (router_argv gives it --shutdown-grace), and
+# the least time the instances get after the router is gone
+ROUTER_EXIT_S = 3.0
+INSTANCE_STOP_S = 5.0
 
 
 def progress(line: str) -> None:
@@ -387,11 +395,21 @@ class Launcher:
         return True
 
     def shutdown(self) -> None:
-        everyone = [self.router, *self.workers]
-        for c in everyone:
-            c.signal_group(signal.SIGTERM)
+        """Stop the router first, then the instances: the router stops taking requests and lets those
+        in flight finish (its ``--shutdown-grace-period-secs``) while the instances still serve them;
+        each stage has until ``--shutdown-grace`` seconds from now, the instances at least
+        :data:`INSTANCE_STOP_S`.  (Signalled together, the instances ended their streams at once with
+        ``engine_unavailable``, so the router's grace period never applied.)"""
         deadline = time.monotonic() + self.args.shutdown_grace
-        for c in everyone:
+        self._stop([self.router], deadline + ROUTER_EXIT_S)  # its own grace period is --shutdown-grace
+        self._stop(self.workers, max(deadline, time.monotonic() + INSTANCE_STOP_S))
+        print("[launch] all processes stopped", flush=True)
+
+    def _stop(self, children: list, deadline: float) -> None:
+        """SIGTERM each of ``children``'s process groups, wait until ``deadline``, SIGKILL what is left."""
+        for c in children:
+            c.signal_group(signal.SIGTERM)
+        for c in children:
             if c.proc is None:
                 continue
             try:
@@ -405,7 +423,6 @@ class Launcher:
                 pass
             if c.output is not None:
                 c.output.join(timeout=5)  # its last lines (a grandchild may still hold the pipe: bounded)
-        print("[launch] all processes stopped", flush=True)
 
     def _watch_workers(self) -> None:
         for w in self.workers:

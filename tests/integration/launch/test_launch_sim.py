@@ -81,3 +81,48 @@ def test_launch_says_when_no_instance_is_left_and_the_router_answers_503():
         code = lp.stop()
     assert code == 0, lp.lines[-20:]
 
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_lets_a_stream_in_flight_finish_before_the_instances_stop():
+    """SIGTERM to launch while a stream runs: the router is stopped first and waits for the stream, the
+    instance still serving it, so the client gets the whole answer and [DONE]; then everything stops.
+    (A user trial: every process got SIGTERM at once and the stream ended with ``engine_unavailable``.)"""
+    import threading
+    import urllib.request
+
+    PORT, BASE = free_ports(1)
+    lp = LaunchProc(["--worker-kind", "sim", "--workers", "1", "--port", str(PORT), "--worker-base-port", str(BASE),
+                     "--shutdown-grace", "20", "--stream-interval", "1", "--time-scale", "20"])
+    got = {}
+    try:
+        lp.wait_for(rf"router ready: http://127\.0\.0\.1:{PORT}", 60)
+        body = json.dumps({"messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 40,
+                           "stream": True, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+
+        def read():
+            t0 = time.monotonic()
+            with urllib.request.urlopen(req, timeout=60) as r:
+                got["first"] = r.readline()
+                got["first_at"] = time.monotonic() - t0
+                got["rest"] = r.read()
+            got["took"] = time.monotonic() - t0
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while "first" not in got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "first" in got, "no first chunk"
+        lp.proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+    finally:
+        code = lp.stop()
+    assert code == 0, lp.lines[-20:]
+    raw = got["first"] + got["rest"]
+    assert raw.rstrip().endswith(b"data: [DONE]"), raw[-300:]
+    assert b"engine_unavailable" not in raw and raw.count(b'"content"') >= 40
+    assert got["took"] - got["first_at"] > 1.0  # the stream really ran on after the signal
+    assert any("all processes stopped" in line for line in lp.lines)
