@@ -68,6 +68,11 @@ async def handle_version(router: Router, request: Request) -> Response:
 
 
 async def handle_health(router: Router, request: Request) -> Response:
+    """200, or 508 to a check that came from this very router (its own ``Via`` entry: :mod:`.via`)."""
+    if "via" in request.headers:
+        looped = loop_answer(request.headers, router.via, request.path)
+        if looped is not None:
+            return looped
     return Response(200, b'{"status":"ok"}')
 
 
@@ -132,6 +137,9 @@ async def handle_add_worker(router: Router, request: Request) -> Response:
     if outcome == "duplicate":
         return json_error(400, f"worker {url} is already registered", param="url",
                           code="worker_already_registered")
+    if outcome == "loop":
+        return json_error(400, f"{url} is this router itself: every request sent there would loop", param="url",
+                          code="worker_is_this_router")
     return json_error(503, f"worker {url} did not become healthy within {c.worker_startup_timeout_secs:g} s",
                       "service_unavailable", code="worker_not_healthy")
 
@@ -154,9 +162,14 @@ ADD_WORKER_ANSWER_WITHIN_S = 3.0
 
 
 async def _add_when_healthy(router: Router, url: str, api_key: str | None = None) -> str:
-    """Wait for ``url``'s health check, then register it: ``"added"``, ``"duplicate"`` or ``"unhealthy"``."""
+    """Wait for ``url``'s health check, then register it: ``"added"``, ``"duplicate"``, ``"unhealthy"``, or
+    ``"loop"`` when ``url`` is this router itself (:func:`.health.points_back`)."""
     c = router.cfg
     try:
+        if await health.points_back(router.session, url, router.via, c.health_check_timeout_secs, api_key):
+            log.warning("worker %s is this router itself (its /health answered this router's own Via entry with "
+                        "508): not added, every request to it would loop", url)
+            return "loop"
         ok = await health.wait_healthy(router.session, url, c.health_check_endpoint, c.worker_startup_timeout_secs,
                                        c.worker_startup_check_interval, c.health_check_timeout_secs, api_key)
         if not ok:

@@ -156,7 +156,7 @@ class Router:
             try:
                 await health.check_all(self.session, list(self.registry.workers), c.health_check_endpoint,
                                        c.health_check_timeout_secs, c.health_failure_threshold,
-                                       c.health_success_threshold)
+                                       c.health_success_threshold, self.via)
             except Exception:  # pragma: no cover - keep checking whatever happens
                 log.exception("health check round failed")
 

@@ -22,16 +22,31 @@ log = logging.getLogger("fleetserve.router")
 
 
 async def probe(session: aiohttp.ClientSession, url: str, endpoint: str, timeout_s: float,
-                worker_key: str | None = None) -> bool:
+                worker_key: str | None = None, via: str | None = None) -> bool:
     """True if ``url + endpoint`` answers 2xx within ``timeout_s`` seconds (``worker_key``: the
-    worker's own key, sent instead of the session's ``--api-key``, auth.py)."""
+    worker's own key, sent instead of the session's ``--api-key``, auth.py; ``via``: this router's
+    ``Via`` entry, so that a router checking itself gets 508, :mod:`.via`)."""
+    return (await _status(session, url + endpoint, timeout_s, worker_key, via)) in range(200, 300)
+
+
+async def _status(session: aiohttp.ClientSession, url: str, timeout_s: float, worker_key: str | None,
+                  via: str | None) -> int | None:
+    headers = own_headers(worker_key)
+    if via is not None:
+        headers = {**headers, "Via": via}
     try:
-        async with session.get(url + endpoint, headers=own_headers(worker_key),
-                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             await resp.read()
-            return 200 <= resp.status < 300
+            return resp.status
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-        return False
+        return None
+
+
+async def points_back(session: aiohttp.ClientSession, url: str, via: str, timeout_s: float,
+                      worker_key: str | None = None) -> bool:
+    """Whether ``url`` is this very router (its ``/health`` answers 508 to a request carrying this
+    router's ``Via`` entry ``via``): registered as its own worker, every request would loop."""
+    return await _status(session, url + "/health", timeout_s, worker_key, via) == 508
 
 
 async def wait_healthy(session: aiohttp.ClientSession, url: str, endpoint: str, timeout_s: float,
@@ -72,9 +87,9 @@ def record_check(worker: Worker, ok: bool, failure_threshold: int, success_thres
 
 
 async def check_all(session: aiohttp.ClientSession, workers: list[Worker], endpoint: str, timeout_s: float,
-                    failure_threshold: int, success_threshold: int) -> None:
-    """One round of checks over ``workers``, concurrently."""
-    results = await asyncio.gather(*(probe(session, w.url, endpoint, timeout_s, w.api_key) for w in workers))
+                    failure_threshold: int, success_threshold: int, via: str | None = None) -> None:
+    """One round of checks over ``workers``, concurrently (``via``: as for :func:`probe`)."""
+    results = await asyncio.gather(*(probe(session, w.url, endpoint, timeout_s, w.api_key, via) for w in workers))
     for w, ok in zip(workers, results):
         changed = record_check(w, ok, failure_threshold, success_threshold)
         if changed is not None:
