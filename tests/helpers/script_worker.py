@@ -184,11 +184,14 @@ class ScriptWorker:
         toks = self.script[j:j + n]
         rid, created = f"{self.name}-{len(self.bodies)}", 1700000000 + len(self.bodies)
         usage = lambda c: {"prompt_tokens": PROMPT_TOKENS + j, "completion_tokens": c,  # noqa: E731
-                           "total_tokens": PROMPT_TOKENS + j + c}
+                           "total_tokens": PROMPT_TOKENS + j + c,
+                           # every prompt token cached: a continuation's prompt is longer than the original
+                           "prompt_tokens_details": {"cached_tokens": PROMPT_TOKENS + j}}
         out: list[dict] = []
         if path == "/generate":
             for i in range(n):
                 meta = {"id": rid, "prompt_tokens": PROMPT_TOKENS + j, "completion_tokens": i + 1,
+                        "cached_tokens": PROMPT_TOKENS + j,
                         "finish_reason": ({"type": reason} if reason == "stop" else {"type": reason, "length": n})
                         if i == n - 1 else None}  # SGLang's: a length finish names the tokens generated
                 out.append({"text": "".join(toks[:i + 1]), "output_ids": [ID0 + j + k for k in range(i + 1)],

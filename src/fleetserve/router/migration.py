@@ -314,13 +314,18 @@ class Migration:
                 self.usage_sent = True
 
     def _usage(self, usage: dict) -> dict:
-        """A later worker's usage, made to cover the whole answer."""
+        """A later worker's usage, made to cover the whole answer: the original prompt's tokens, the whole
+        answer's, and of its cached tokens (counted over the continuation's longer prompt, the original
+        plus the answer so far) at most the original prompt's (a user trial saw 307 cached of 101)."""
         out = dict(usage)
         completion = (usage.get("completion_tokens") or 0) + self.base_tokens
         prompt = self.prompt_tokens
         if prompt is None:
             prompt = max(0, (usage.get("prompt_tokens") or 0) - self.base_tokens)
         out.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        details = usage.get("prompt_tokens_details")
+        if type(details) is dict and type(details.get("cached_tokens")) is int:
+            out["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"], prompt)}
         return out
 
     def _rewrite(self, obj):
@@ -338,6 +343,8 @@ class Migration:
                     meta["id"] = self.first_id
                 if type(meta.get("completion_tokens")) is int:
                     meta["completion_tokens"] += self.base_tokens
+                if type(meta.get("cached_tokens")) is int and self.prompt_tokens is not None:
+                    meta["cached_tokens"] = min(meta["cached_tokens"], self.prompt_tokens)
                 fin = meta.get("finish_reason")
                 if type(fin) is dict and fin.get("type") == "length" and type(fin.get("length")) is int:
                     fin["length"] += self.base_tokens  # the continuation's budget was what was left of the answer's

@@ -173,6 +173,36 @@ def test_stream_survives_a_dying_worker(kind, how, InProcessRouter):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["completions", "chat", "generate_ids"])
+def test_a_migrated_answers_cached_tokens_never_exceed_its_prompt(kind, InProcessRouter):
+    """The continuation's prompt is the original plus the answer so far, and its worker counts its cached
+    tokens over that; the client's usage names the original prompt, so its cached tokens are capped there
+    (a user trial saw ``prompt_tokens`` 101 next to ``cached_tokens`` 307)."""
+    path, body = KINDS[kind]
+
+    async def main():
+        async with fleet(InProcessRouter, "ab") as (s, r, (a, b)):
+            a.die(after=die_after_events(kind, DIE_AFTER_TOKENS), how="reset")
+            status, raw = await post(s, r.url, path, body)
+            assert status == 200, raw
+            assert b.bodies, "no continuation"
+            last_usage = None
+            for e in events(raw):
+                if e == "[DONE]":
+                    continue
+                obj = json.loads(e)
+                if kind.startswith("generate"):
+                    last_usage = (obj["meta_info"]["prompt_tokens"], obj["meta_info"]["cached_tokens"])
+                elif obj.get("usage"):
+                    u = obj["usage"]
+                    last_usage = (u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])
+            assert last_usage == (PROMPT_TOKENS, PROMPT_TOKENS), last_usage  # b reported PROMPT_TOKENS + 3
+            await settled(s, r)
+
+    run(main)
+
+
+@pytest.mark.timeout(60)
 def test_a_generate_answer_cut_by_its_budget_names_the_whole_length(InProcessRouter):
     """/generate with max_new_tokens 5: a dies after 3 tokens, b continues with a budget of 2 and ends on
     it.  The client's last meta_info says ``{"type": "length", "length": 5}``, the answer's, not b's 2
@@ -594,8 +624,8 @@ def test_a_migrated_stream_moves_its_session_and_records_the_new_route(InProcess
                 await resp.read()
             assert len(a.bodies) == 1 and len(b.bodies) == 2
             preds = r.router.predictions.by_worker
-            # b's continuation was judged (the script worker reports no cached_tokens: unreported), a's cut stream not
-            assert preds[b.url].unreported == 1 and a.url not in preds
+            # b's continuation was judged (against the cached tokens the script worker reports), a's cut stream not
+            assert (preds[b.url].count, preds[b.url].unreported) == (1, 0) and a.url not in preds
             await settled(s, r)
 
     with caplog.at_level(logging.INFO, "fleetserve.router"):
