@@ -335,3 +335,27 @@ def test_the_router_waits_for_its_requests_within_launchs_grace(argv, grace):
     router = launch.router_argv(args, instance_args)
     assert [router[i + 1] for i, tok in enumerate(router) if tok == "--shutdown-grace-period-secs"][-1] == grace
     assert router_parser().parse_args(router).shutdown_grace_period_secs == float(grace)
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--router-args", "--worker-urls http://127.0.0.1:1"],
+     "--router-args --worker-urls: launch registers its own instances with the router; add other workers once "
+     "it runs (POST /add_worker?url=...), or start `fleetserve router` by itself"),
+    (["--policy", "kv_aware", "--router-args", "--policy round_robin"],
+     "--policy kv_aware and --router-args --policy round_robin differ: give the policy once"),
+    (["--startup-timeout", "-5"], "--startup-timeout must be > 0 seconds, got -5"),
+    (["--shutdown-grace", "-1"], "--shutdown-grace must be >= 0 seconds, got -1"),
+    (["--log-dir", "/proc/nonexistent/x"], "--log-dir /proc/nonexistent/x: cannot create it: No such file or directory"),
+])
+def test_launch_values_a_user_trial_got_through_are_refused_in_one_line(monkeypatch, capsys, argv, line):
+    """Each was accepted before: the router's own --worker-urls replaced launch's instances and it waited for
+    workers launch knew nothing of; the two policies ran the router-args one silently; a negative timeout
+    started everything and then gave up; an unwritable --log-dir ended in a traceback."""
+    code, _, err, lau, _ = _launch(monkeypatch, capsys, argv)
+    assert (code, err, lau) == (2, f"fleetserve launch: {line}", None)
+
+
+def test_the_same_policy_given_both_ways_is_fine(monkeypatch, capsys):
+    code, _, _, lau, _ = _launch(monkeypatch, capsys, ["--policy", "round_robin", "--router-args",
+                                                       "--policy round_robin"])
+    assert code == 0 and lau is not None

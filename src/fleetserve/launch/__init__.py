@@ -204,6 +204,46 @@ def access_log_flags(args: argparse.Namespace) -> list[str]:
     return ["--access-log"] if args.access_log else []
 
 
+def time_flag_error(args: argparse.Namespace) -> str | None:
+    """One line for a ``--startup-timeout`` that is not > 0 or a ``--shutdown-grace`` below 0 (None if both fit)."""
+    if not args.startup_timeout > 0:
+        return f"--startup-timeout must be > 0 seconds, got {args.startup_timeout:g}"
+    if not args.shutdown_grace >= 0:
+        return f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace:g}"
+    return None
+
+
+def log_dir_error(args: argparse.Namespace) -> str | None:
+    """One line when ``--log-dir`` cannot be made a writable folder (None if it can, or was not given);
+    the folder is created here, before any instance starts."""
+    if not args.log_dir:
+        return None
+    path = Path(args.log_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"--log-dir {args.log_dir}: cannot create it: {e.strerror or e}"
+    if not os.access(path, os.W_OK):
+        return f"--log-dir {args.log_dir}: not writable"
+    return None
+
+
+def router_args_conflict(args: argparse.Namespace, argv: list[str]) -> str | None:
+    """One line when ``--router-args`` takes what launch decides (None when they agree): launch registers
+    its own instances as the workers, so a ``--worker-urls`` there would replace them (and the router
+    would wait for workers launch knows nothing of); a ``--policy`` there that differs from launch's
+    own ``--policy``, given too, leaves no telling which was meant (launch sets the instances up for
+    its policy: KV events and the tokenizer for kv_aware)."""
+    extra = shlex.split(args.router_args)
+    if _flag_value(extra, "--worker-urls") is not None or any(t.startswith("--worker-urls") for t in extra):
+        return ("--router-args --worker-urls: launch registers its own instances with the router; add other "
+                "workers once it runs (POST /add_worker?url=...), or start `fleetserve router` by itself")
+    theirs, ours = _flag_value(extra, "--policy"), _flag_value(argv, "--policy")
+    if theirs is not None and ours is not None and theirs != ours:
+        return f"--policy {ours} and --router-args --policy {theirs} differ: give the policy once"
+    return None
+
+
 def effective_policy(args: argparse.Namespace) -> str:
     """The routing policy the router will run: a ``--policy`` inside ``--router-args`` comes
     after launch's own on the router's command line, so it wins (argparse keeps the last)."""
@@ -365,6 +405,12 @@ class Launcher:
 
     # ---------------------------------------------------------------- helpers
     def _on_signal(self, signum, _frame) -> None:
+        if self.stopping:  # a second signal: the router stops waiting for its requests in flight (router/cli.py)
+            print(f"[launch] {signal.Signals(signum).name} again: the router ends its wait for the requests in "
+                  "flight now", flush=True)
+            if self.router is not None and self.router.alive():
+                self.router.signal_group(signal.SIGTERM)
+            return
         print(f"[launch] {signal.Signals(signum).name}: stopping", flush=True)
         self.stopping = True
 
@@ -494,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         print(f"fleetserve launch: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
-    bad = port_range_error("--port", args.port, allow_zero=True)
+    bad = port_range_error("--port", args.port, allow_zero=True) or time_flag_error(args) or log_dir_error(args)
     if not bad and port_range_error("--worker-base-port", args.worker_base_port, args.workers):
         # launch's own flag, named before the router's check sees the worker URLs made from it
         bad = f"{port_range_error('--worker-base-port', args.worker_base_port, args.workers)} (--workers {args.workers})"
@@ -505,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # e.g. an unclosed quote
         bad = bad or f"--router-args: {e}: {args.router_args!r}"
     router = {}
+    bad = bad or router_args_conflict(args, argv)
     if not bad:  # the router's own flag checks, in a child process that starts nothing (launch/router_check.py)
         bad, router = check_router_args(router_argv(args, instance_args))
     if not bad:  # where the router will listen: launch's --host/--port or those in --router-args

@@ -126,3 +126,52 @@ def test_sigterm_lets_a_stream_in_flight_finish_before_the_instances_stop():
     assert b"engine_unavailable" not in raw and raw.count(b'"content"') >= 40
     assert got["took"] - got["first_at"] > 1.0  # the stream really ran on after the signal
     assert any("all processes stopped" in line for line in lp.lines)
+
+
+@pytest.mark.timeout(120)
+def test_a_second_sigterm_to_launch_ends_the_routers_wait_at_once():
+    """A second SIGTERM to launch while its router waits for a long stream: the router ends its wait (the
+    stream is cut, no [DONE]) and launch is done in seconds, not at the end of --shutdown-grace 60."""
+    import threading
+    import urllib.request
+
+    PORT, BASE = free_ports(1)
+    lp = LaunchProc(["--worker-kind", "sim", "--workers", "1", "--port", str(PORT), "--worker-base-port", str(BASE),
+                     "--shutdown-grace", "60", "--stream-interval", "1", "--time-scale", "20"])
+    got = {}
+    try:
+        lp.wait_for(rf"router ready: http://127\.0\.0\.1:{PORT}", 60)
+        body = json.dumps({"messages": [{"role": "user", "content": "a very long story"}], "max_tokens": 1000,
+                           "stream": True, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+
+        def read():
+            try:
+                with urllib.request.urlopen(req, timeout=90) as r:
+                    got["first"] = r.readline()
+                    got["rest"] = r.read()
+            except Exception as e:  # the cut stream: an incomplete chunked read
+                got["error"] = e
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while "first" not in got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "first" in got, "no first chunk"
+        lp.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert lp.proc.poll() is None  # the first one waits for the stream
+        t0 = time.monotonic()
+        lp.proc.send_signal(signal.SIGTERM)
+        code = lp.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        reader.join(30)
+    finally:
+        code = lp.stop()
+    assert code == 0, lp.lines[-20:]
+    assert took < 15, took  # the stream had ~140 s to go, the grace 60 s
+    assert b"[DONE]" not in got.get("rest", b"")
+    assert any("again: the router ends its wait" in line for line in lp.lines)
+    assert any("all processes stopped" in line for line in lp.lines)
