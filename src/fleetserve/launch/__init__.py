@@ -522,6 +522,8 @@ class Launcher:
                   f"[launch] (greedy; set \"temperature\" above 0, e.g. 0.7, to sample)", flush=True)
             while not self.stopping:
                 time.sleep(0.5)
+                if self.stopping:  # a signal: a router that a second one already stopped is no failure
+                    break
                 if not self.router.alive():
                     print(f"[launch] router exited with code {self.router.proc.returncode}; stopping", flush=True)
                     code = 1
