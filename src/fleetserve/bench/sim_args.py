@@ -43,6 +43,9 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
 
 
 
+MAX_DP_SIZE = 256  # as many DP ranks as a router subscribes to (router/kv_events/sources.py)
+
+
 def check_args(args: argparse.Namespace) -> str | None:
     """One line naming the first bad flag in ``args`` (parsed by :func:`build_parser`), else None.
 
@@ -53,6 +56,8 @@ def check_args(args: argparse.Namespace) -> str | None:
                         ("--dp-size", args.dp_size)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
+    if args.dp_size > MAX_DP_SIZE:  # an engine per rank in one process: 100000 hung without a word
+        return f"--dp-size must be at most {MAX_DP_SIZE} (a simulated engine per rank), got {args.dp_size}"
     try:
         parse_kv_events_config(args.kv_events_config)
         timing_model.from_args(args)

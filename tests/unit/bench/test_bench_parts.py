@@ -94,3 +94,15 @@ def test_non_streamed_requests_report_itl_and_tpot_as_not_measured(capsys):
     print_table(s)
     out = capsys.readouterr().out
     assert "ITL mean / p50 / p99 (ms)" in out and out.count("n/a") == 2
+
+
+def test_sim_worker_dp_size_is_bounded():
+    """--dp-size 100000 was taken without a word and the worker never listened (an engine per rank)."""
+    from fleetserve.bench import sim_worker
+    from fleetserve.bench.sim_args import MAX_DP_SIZE, check_args
+
+    p = sim_worker.build_parser()
+    assert check_args(p.parse_args(["--dp-size", str(MAX_DP_SIZE)])) is None
+    assert check_args(p.parse_args(["--dp-size", "100000"])) == (
+        f"--dp-size must be at most {MAX_DP_SIZE} (a simulated engine per rank), got 100000")
+    assert check_args(p.parse_args(["--dp-size", "0"])) == "--dp-size must be >= 1, got 0"
