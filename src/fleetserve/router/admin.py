@@ -282,5 +282,10 @@ async def handle_flush_cache(router: Router, request: Request) -> Response:
 
     results = await asyncio.gather(*(one(w) for w in workers))
     per = {w.url: s for w, s in zip(workers, results)}
+    flushed = getattr(router.policy, "on_cache_flushed", None)  # cache_aware, kv_aware: its entries go too
+    if flushed is not None:
+        for w, s in zip(workers, results):
+            if isinstance(s, int) and 200 <= s < 300:
+                flushed(w.url)
     ok = all(isinstance(s, int) and s < 300 for s in results)
     return Response(200 if ok else 500, orjson.dumps({"success": ok, "workers": per}))

@@ -237,6 +237,10 @@ class CacheAwarePolicy:
     def on_worker_removed(self, url: str) -> None:
         self.tree.remove_tenant(url)
 
+    def on_cache_flushed(self, url: str) -> None:
+        """``url`` answered ``POST /flush_cache``: its cache is empty, and so is its part of the tree."""
+        self.tree.remove_tenant(url)
+
 
 def make_policy(name: str, cfg=None):
     """Build the policy ``name``; ``cfg`` is a RouterConfig for cache_aware's parameters."""

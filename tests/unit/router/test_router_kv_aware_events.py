@@ -64,10 +64,14 @@ def fake_worker(name: str, pub: Publisher | None, dp_size: int = 1, seen: list |
     async def health(request):
         return web.json_response({"ok": True})
 
+    async def flush(request):
+        return web.json_response({"ok": True})
+
     app = web.Application()
     app.router.add_post("/generate", generate)
     app.router.add_get("/get_server_info", info)
     app.router.add_get("/health", health)
+    app.router.add_post("/flush_cache", flush)
     return app
 
 
@@ -451,6 +455,35 @@ async def test_a_prompt_over_the_tokenize_limit_is_routed_on_its_text(start_app,
             assert [m.getMessage() for m in caplog.records if "routed on its text" in m.getMessage()] == [
                 "kv_aware: a prompt of 12000 characters, over the 10000 this router tokenizes, is routed on its "
                 "text (branch=fallback reason=text; 1 so far)"]
+    finally:
+        for rn in runners:
+            await rn.cleanup()
+
+
+async def test_a_flushed_workers_entries_go_with_the_flush(start_app, InProcessRouter, publishers):
+    """``POST /flush_cache`` answered 200: the worker's index and tree entries are dropped at once, so the
+    next request is predicted 0 cached even before the engine's AllBlocksCleared arrives (none is sent
+    here); a user trial saw ``cached_tokens=377`` predicted right after a flush, 0 reported."""
+    pa = publishers("vllm")
+    runners, urls = await fleet(start_app, [(pa, 1)])
+    try:
+        async with InProcessRouter(worker_urls=urls, policy="kv_aware", kv_speculative_ttl_secs=0.0) as r, \
+                aiohttp.ClientSession() as s:
+            pol = r.router.policy
+            await wait_for(subs_ready(pol, urls), what="subscriptions")
+            await asyncio.sleep(0.3)
+            pa.do(op="store", tokens=PREFIX)
+            await wait_for(lambda: pol.index.blocks_of((urls[0], 0)) == 16, what="blocks indexed")
+            async with s.post(r.url + "/generate", json={"input_ids": PREFIX + [7, 7, 7, 7]}) as resp:
+                assert "cached_tokens=64" in resp.headers["x-fleetserve-route"]
+            async with s.post(r.url + "/flush_cache") as resp:
+                assert resp.status == 200 and (await resp.json())["workers"] == {urls[0]: 200}
+            assert pol.index.blocks_of((urls[0], 0)) == 0 and urls[0] not in pol.tree.tenant_sizes()
+            assert pol.trust(urls[0], 0) == "exact"  # the stream itself is as trusted as before
+            async with s.post(r.url + "/generate", json={"input_ids": PREFIX + [7, 7, 7, 7]}) as resp:
+                assert "cached_tokens=0" in resp.headers["x-fleetserve-route"], resp.headers["x-fleetserve-route"]
+            pa.do(op="store", tokens=[1, 2, 3, 4])  # later events index as before (the block size was kept)
+            await wait_for(lambda: pol.index.blocks_of((urls[0], 0)) == 1, what="a new block indexed")
     finally:
         for rn in runners:
             await rn.cleanup()

@@ -222,3 +222,12 @@ def test_round_robin_retries_do_not_shift_the_rotation():
         if w.url == "http://w1":
             assert rr.select([ws[0]], "", retry=True).url == "http://w0"
     assert first == ["http://w0", "http://w1"] * 5
+
+
+def test_cache_aware_forgets_a_flushed_workers_tree_entries():
+    """After a worker answered /flush_cache its cache is empty: its tree entries go, the others' stay."""
+    p = CacheAwarePolicy()
+    p.tree.insert("shared system prompt and a question", "http://a:1")
+    p.tree.insert("shared system prompt and another one", "http://b:1")
+    p.on_cache_flushed("http://a:1")
+    assert set(p.tree.tenant_sizes()) == {"http://b:1"}

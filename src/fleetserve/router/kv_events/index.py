@@ -150,6 +150,19 @@ class BlockIndex:
             self._drop(target)
             self.block_size.pop(target, None)
 
+    def drop_cached(self, url: str) -> None:
+        """Forget every block, and every speculative entry, of every DP rank of ``url``; its block sizes
+        stay known (its cache was flushed, it still publishes)."""
+        with self.lock:
+            for t in [t for t in self._blocks if t[0] == url]:
+                self._drop(t)
+            for k in list(self._spec):
+                d = self._spec[k]
+                for t in [t for t in d if t[0] == url]:
+                    del d[t]
+                if not d:
+                    del self._spec[k]
+
     def drop_worker(self, url: str) -> None:
         """Forget every block of every DP rank of ``url``."""
         with self.lock:
