@@ -109,3 +109,36 @@ def test_without_token_ids_an_exact_stream_is_no_use_the_tree_decides():
     key = RouteKey(text + "and a question", None, 0)
     assert pol.select([Worker(A), Worker(B)], key).url == B
     assert (key.branch, key.reason) == ("fallback", "text") and key.cached == len(text) // 4
+
+
+def test_chats_with_tools_are_not_checked():
+    """How tools reach the template is the engine's own, so a chat with tools, tool calls or tool results is
+    routed on the router's ids but its count is not held against the worker (a user trial: 86 function-calling
+    answers of 171 disagreed and a worker with the right tokenizer was marked mismatched); a plain chat is."""
+    import asyncio
+
+    from fleetserve.models.tokenizer import tokenizer_dir
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+
+    pol = KvAwarePolicy(tokenizer=RouterTokenizer(tokenizer_dir()))
+    user = {"role": "user", "content": "weather in Paris?"}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+    bodies = [{"messages": [user], "tools": [tool]}, {"messages": [user, call]},
+              {"messages": [user, call, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}]
+
+    async def keys(bodies):
+        return [await pol.prepare("/v1/chat/completions", b, "") for b in bodies]
+
+    with_tools = asyncio.run(keys(bodies))
+    assert all(k.tokens and not k.tokenized for k in with_tools)  # ids to route on, not checked
+    for k in with_tools * 3:
+        pol.answered(k, A, b'{"usage":{"prompt_tokens":140}}')
+    assert pol.tokenizer_check.urls() == [] and not pol.tokenizer_check.mismatched(A)
+    (plain,) = asyncio.run(keys([{"messages": [user]}]))
+    assert plain.tokenized
+    for _ in range(2):
+        pol.answered(plain, A, b'{"usage":{"prompt_tokens":140}}')
+    assert pol.tokenizer_check.mismatched(A)
+    pol.close()

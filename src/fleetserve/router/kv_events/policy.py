@@ -200,6 +200,15 @@ def with_dp_rank(body: bytes, rank: int) -> bytes:
     return b'{"routed_dp_rank":%d' % rank + sep + rest
 
 
+def _has_tools(body: dict) -> bool:
+    """Whether a chat body carries tool definitions, assistant tool calls or tool results."""
+    if body.get("tools"):
+        return True
+    msgs = body.get("messages")
+    return isinstance(msgs, list) and any(
+        isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in msgs)
+
+
 def decode_budget(body: dict) -> int:
     """Decode tokens a request counts in the load (see the module docstring)."""
     v = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -459,7 +468,10 @@ class KvAwarePolicy:
                 log.warning("kv_aware: tokenization failed (%s: %s); routing on the text", type(e).__name__, e)
                 tokens = None
         key = RouteKey(text, tokens, decode_budget(body), chars)
-        key.tokenized = tokenized
+        # a chat with tools: how tools reach the template is the engine's own (ours writes them into the
+        # system prompt for templates without tools), so its count says nothing of the tokenizer; not
+        # checked (a function-calling workload marked a worker with the right tokenizer as mismatched)
+        key.tokenized = tokenized and not (path == "/v1/chat/completions" and _has_tools(body))
         key.streamed = body.get("stream") is True
         if self.dp_aware:
             key.client_rank = client_dp_rank(body, headers)
