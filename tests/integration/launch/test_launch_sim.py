@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -83,39 +84,55 @@ def test_launch_says_when_no_instance_is_left_and_the_router_answers_503():
 
 
 
+def _launch_one_sim(grace: int) -> tuple[LaunchProc, int]:
+    """``fleetserve launch`` of one slow sim instance (k = 20) with ``--shutdown-grace grace``, once ready."""
+    port, base = free_ports(1)
+    lp = LaunchProc(["--worker-kind", "sim", "--workers", "1", "--port", str(port), "--worker-base-port", str(base),
+                     "--shutdown-grace", str(grace), "--stream-interval", "1", "--time-scale", "20"])
+    lp.wait_for(rf"router ready: http://127\.0\.0\.1:{port}", 60)
+    return lp, port
+
+
+def _stream_in_background(port: int, max_tokens: int) -> tuple[dict, threading.Thread]:
+    """Start a chat stream of ``max_tokens`` through the router on a thread; return once its first chunk
+    came.  ``got``: ``first``, ``first_at`` and, when it ends, ``rest`` and ``took`` (seconds), or
+    ``error`` for a cut stream (an incomplete chunked read)."""
+    import urllib.request
+
+    body = json.dumps({"messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": max_tokens,
+                       "stream": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    got: dict = {}
+
+    def read():
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=90) as r:
+                got["first"] = r.readline()
+                got["first_at"] = time.monotonic() - t0
+                got["rest"] = r.read()
+            got["took"] = time.monotonic() - t0
+        except Exception as e:
+            got["error"] = e
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while "first" not in got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "first" in got, "no first chunk"
+    return got, reader
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_lets_a_stream_in_flight_finish_before_the_instances_stop():
     """SIGTERM to launch while a stream runs: the router is stopped first and waits for the stream, the
     instance still serving it, so the client gets the whole answer and [DONE]; then everything stops.
     (A user trial: every process got SIGTERM at once and the stream ended with ``engine_unavailable``.)"""
-    import threading
-    import urllib.request
-
-    PORT, BASE = free_ports(1)
-    lp = LaunchProc(["--worker-kind", "sim", "--workers", "1", "--port", str(PORT), "--worker-base-port", str(BASE),
-                     "--shutdown-grace", "20", "--stream-interval", "1", "--time-scale", "20"])
-    got = {}
+    lp, port = _launch_one_sim(20)
     try:
-        lp.wait_for(rf"router ready: http://127\.0\.0\.1:{PORT}", 60)
-        body = json.dumps({"messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 40,
-                           "stream": True, "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-
-        def read():
-            t0 = time.monotonic()
-            with urllib.request.urlopen(req, timeout=60) as r:
-                got["first"] = r.readline()
-                got["first_at"] = time.monotonic() - t0
-                got["rest"] = r.read()
-            got["took"] = time.monotonic() - t0
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        deadline = time.monotonic() + 30
-        while "first" not in got and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "first" in got, "no first chunk"
+        got, reader = _stream_in_background(port, 40)
         lp.proc.send_signal(signal.SIGTERM)
         reader.join(60)
     finally:
@@ -132,34 +149,9 @@ def test_sigterm_lets_a_stream_in_flight_finish_before_the_instances_stop():
 def test_a_second_sigterm_to_launch_ends_the_routers_wait_at_once():
     """A second SIGTERM to launch while its router waits for a long stream: the router ends its wait (the
     stream is cut, no [DONE]) and launch is done in seconds, not at the end of --shutdown-grace 60."""
-    import threading
-    import urllib.request
-
-    PORT, BASE = free_ports(1)
-    lp = LaunchProc(["--worker-kind", "sim", "--workers", "1", "--port", str(PORT), "--worker-base-port", str(BASE),
-                     "--shutdown-grace", "60", "--stream-interval", "1", "--time-scale", "20"])
-    got = {}
+    lp, port = _launch_one_sim(60)
     try:
-        lp.wait_for(rf"router ready: http://127\.0\.0\.1:{PORT}", 60)
-        body = json.dumps({"messages": [{"role": "user", "content": "a very long story"}], "max_tokens": 1000,
-                           "stream": True, "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-
-        def read():
-            try:
-                with urllib.request.urlopen(req, timeout=90) as r:
-                    got["first"] = r.readline()
-                    got["rest"] = r.read()
-            except Exception as e:  # the cut stream: an incomplete chunked read
-                got["error"] = e
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        deadline = time.monotonic() + 30
-        while "first" not in got and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "first" in got, "no first chunk"
+        got, reader = _stream_in_background(port, 1000)
         lp.proc.send_signal(signal.SIGTERM)
         time.sleep(1.0)
         assert lp.proc.poll() is None  # the first one waits for the stream

@@ -112,6 +112,15 @@ async def fleet(start_app, pubs_and_dp, seen=None):
     return runners, urls
 
 
+async def prefix_indexed(pol, pub: Publisher, url: str) -> None:
+    """Once ``url``'s one stream is subscribed and connected, ``pub`` stores PREFIX (16 blocks); returns when
+    the router's index holds them."""
+    await wait_for(subs_ready(pol, [url]), what="subscription")
+    await asyncio.sleep(0.3)  # let the SUB connect (a PUB drops what it sends before that)
+    pub.do(op="store", tokens=PREFIX)
+    await wait_for(lambda: pol.index.blocks_of((url, 0)) == 16, what="the prefix indexed")
+
+
 def subs_ready(policy, urls, ranks=1):
     return lambda: all(len(policy.subs.get(u, {})) == ranks for u in urls)
 
@@ -406,10 +415,7 @@ async def test_a_publisher_that_exits_takes_its_entries_with_it(start_app, InPro
         async with InProcessRouter(worker_urls=urls, policy="kv_aware", kv_speculative_ttl_secs=0.0) as r, \
                 aiohttp.ClientSession() as s:
             pol = r.router.policy
-            await wait_for(subs_ready(pol, urls), what="subscriptions")
-            await asyncio.sleep(0.3)  # let the SUB connect
-            pa.do(op="store", tokens=PREFIX)
-            await wait_for(lambda: pol.index.blocks_of((urls[0], 0)) == 16, what="w0's blocks indexed")
+            await prefix_indexed(pol, pa, urls[0])
             assert pol.trust(urls[0], 0) == "exact"
             async with s.post(r.url + "/generate", json={"input_ids": PREFIX + [7, 7, 7, 7]}) as resp:
                 assert resp.status == 200
@@ -470,10 +476,7 @@ async def test_a_flushed_workers_entries_go_with_the_flush(start_app, InProcessR
         async with InProcessRouter(worker_urls=urls, policy="kv_aware", kv_speculative_ttl_secs=0.0) as r, \
                 aiohttp.ClientSession() as s:
             pol = r.router.policy
-            await wait_for(subs_ready(pol, urls), what="subscriptions")
-            await asyncio.sleep(0.3)
-            pa.do(op="store", tokens=PREFIX)
-            await wait_for(lambda: pol.index.blocks_of((urls[0], 0)) == 16, what="blocks indexed")
+            await prefix_indexed(pol, pa, urls[0])
             async with s.post(r.url + "/generate", json={"input_ids": PREFIX + [7, 7, 7, 7]}) as resp:
                 assert "cached_tokens=64" in resp.headers["x-fleetserve-route"]
             async with s.post(r.url + "/flush_cache") as resp:

@@ -124,6 +124,13 @@ async def post(s, url, path, body):
         return resp.status, await resp.read()
 
 
+def no_failure_lines(caplog) -> list[str]:
+    """The router's log lines, after checking that none charged a worker with a failure."""
+    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "fleetserve.router"]
+    assert not [m for m in msgs if "failed a request" in m], msgs
+    return msgs
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["reset", "close", "error", "stall"])
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -447,8 +454,7 @@ def test_a_continuation_whose_worker_is_removed_moves_again(InProcessRouter, cap
 
     with caplog.at_level(logging.INFO, "fleetserve.router"):
         run(main)
-    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "fleetserve.router"]
-    assert not [m for m in msgs if "failed a request" in m], msgs
+    msgs = no_failure_lines(caplog)
     assert len([m for m in msgs if "was removed mid-stream" in m]) == 2, msgs
 
 
@@ -484,8 +490,7 @@ def test_a_stream_that_cannot_move_finishes_on_its_removed_worker(InProcessRoute
 
     with caplog.at_level(logging.INFO, "fleetserve.router"):
         run(main)
-    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "fleetserve.router"]
-    assert not [m for m in msgs if "failed a request" in m], msgs
+    msgs = no_failure_lines(caplog)
     assert len([m for m in msgs if "cannot move to another worker" in m]) == 1, msgs
 
 

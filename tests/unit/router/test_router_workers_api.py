@@ -150,54 +150,66 @@ async def test_a_failing_worker_shows_unhealthy_at_once_though_its_health_checks
             True, "ready", 0, "half_open")
 
 
+class HeldWorker:
+    """/health 200; /generate answers only once ``release`` is set (``arrived`` is set when a request is in,
+    ``transports`` its connections)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.arrived = asyncio.Event()
+        self.transports: list = []
+
+    def app(self) -> web.Application:
+        async def health(request):
+            return web.json_response({})
+
+        async def generate(request):
+            self.transports.append(request.transport)
+            self.arrived.set()
+            await asyncio.wait_for(self.release.wait(), 20)
+            return web.json_response({"text": "ok"})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/generate", generate)
+        return app
+
+
+async def readd(s, r, u) -> dict:
+    """``DELETE`` then ``POST /workers`` ``u`` through router ``r``; its ``/workers/{url}`` once ready."""
+    assert (await call(s, "DELETE", r.url + path_of(u)))[0] == 200
+    assert (await call(s, "POST", r.url + "/workers", json={"url": u}))[0] == 202
+    for _ in range(100):
+        st, one, _ = await call(s, "GET", r.url + path_of(u))
+        if st == 200 and one["status"] == "ready":
+            return one
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{u} not ready again: {one}")
+
+
 @pytest.mark.timeout(60)
 async def test_a_worker_re_added_mid_request_keeps_that_request_in_its_load(start_app, InProcessRouter):
     """Removed while a request to it is in flight, then added again before that request ends: the
     re-added worker's ``load`` counts the request (1, not 0), and goes back to 0 when it ends (never
     below).  A worker removed with nothing in flight comes back as a fresh one."""
-    release = asyncio.Event()
-    arrived = asyncio.Event()
-
-    async def health(request):
-        return web.json_response({})
-
-    async def generate(request):
-        arrived.set()
-        await asyncio.wait_for(release.wait(), 20)
-        return web.json_response({"text": "ok"})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/generate", generate)
-    runner, u = await start_app(app)
+    held = HeldWorker()
+    runner, u = await start_app(held.app())
     try:
         async with InProcessRouter(worker_urls=[u]) as r, aiohttp.ClientSession() as s:
             async def load():
                 return (await call(s, "GET", r.url + path_of(u)))[1]["load"]
 
             pending = asyncio.ensure_future(call(s, "POST", r.url + "/generate", json={"text": "x"}))
-            await asyncio.wait_for(arrived.wait(), 10)
+            await asyncio.wait_for(held.arrived.wait(), 10)
             assert await load() == 1
-            assert (await call(s, "DELETE", r.url + path_of(u)))[0] == 200
-            assert (await call(s, "POST", r.url + "/workers", json={"url": u}))[0] == 202
-            for _ in range(100):
-                st, one, _ = await call(s, "GET", r.url + path_of(u))
-                if st == 200 and one["status"] == "ready":
-                    break
-                await asyncio.sleep(0.05)
+            one = await readd(s, r, u)
             assert (one["status"], one["load"]) == ("ready", 1)
-            release.set()
+            held.release.set()
             st, body, _ = await pending
             assert (st, body["text"]) == (200, "ok")
             assert await load() == 0
             # nothing in flight now: removed and added again, it starts from a clean slate
-            assert (await call(s, "DELETE", r.url + path_of(u)))[0] == 200
-            assert (await call(s, "POST", r.url + "/workers", json={"url": u}))[0] == 202
-            for _ in range(100):
-                st, one, _ = await call(s, "GET", r.url + path_of(u))
-                if st == 200 and one["status"] == "ready":
-                    break
-                await asyncio.sleep(0.05)
+            one = await readd(s, r, u)
             assert (one["status"], one["load"], one["requests"]) == ("ready", 0, 0)
     finally:
         await runner.cleanup()
@@ -254,37 +266,22 @@ async def test_a_request_in_flight_on_a_deleted_worker_finishes_there_and_its_co
     """``DELETE /workers/{url}`` while a non-streamed request is in flight there: the request finishes
     on the removed worker, as a failure of nobody, and the router's connection to it is then closed
     rather than kept in its pool (the worker sees its client go away)."""
-    release = asyncio.Event()
-    arrived = asyncio.Event()
-    transports = []
-
-    async def health(request):
-        return web.json_response({})
-
-    async def generate(request):
-        transports.append(request.transport)
-        arrived.set()
-        await asyncio.wait_for(release.wait(), 20)
-        return web.json_response({"text": "ok"})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/generate", generate)
-    runner, u = await start_app(app)
+    held = HeldWorker()
+    runner, u = await start_app(held.app())
     try:
         async with InProcessRouter(worker_urls=[u]) as r, aiohttp.ClientSession() as s:
             w = r.router.registry.get(u)
             pending = asyncio.ensure_future(call(s, "POST", r.url + "/generate", json={"text": "x"}))
-            await asyncio.wait_for(arrived.wait(), 10)
+            await asyncio.wait_for(held.arrived.wait(), 10)
             assert (await call(s, "DELETE", r.url + path_of(u)))[0] == 200
-            release.set()
+            held.release.set()
             st, body, _ = await pending
             assert (st, body["text"]) == (200, "ok")
             assert (w.load, w.failures, w.breaker.state) == (0, 0, "closed")
             for _ in range(100):
-                if transports[0].is_closing():
+                if held.transports[0].is_closing():
                     break
                 await asyncio.sleep(0.01)
-            assert transports[0].is_closing(), "the router kept its connection to the removed worker"
+            assert held.transports[0].is_closing(), "the router kept its connection to the removed worker"
     finally:
         await runner.cleanup()
