@@ -340,6 +340,31 @@ class Watch:
                 f.flush()
 
 
+def direct_destinations(reqs, urls: list[str], rurls: list[str], share: float, seed: int,
+                        by: str = "request") -> list[str]:
+    """Where each request is sent: a router replica (at random) or, for a ``share`` of them, straight to a
+    worker.  ``by="request"``: each direct request to a worker drawn at random; ``by="conversation"``: every
+    direct request of one conversation (``r.group``) to the same worker, drawn once per conversation, as a
+    client that bypasses the router holds one engine's address.  Which requests go direct and which replica a
+    routed one reaches are the same draws for both (seeded), so the two modes differ only in the worker."""
+    pick = random.Random(seed + 7)
+    home_pick = random.Random(seed + 11)
+    home: dict = {}
+    dest = []
+    for r in reqs:
+        if pick.random() < share:
+            w = pick.randrange(len(urls))  # drawn in both modes: the later draws stay the same
+            if by == "conversation":
+                g = r.group
+                if g not in home:
+                    home[g] = home_pick.randrange(len(urls))
+                w = home[g]
+            dest.append(urls[w])
+        else:
+            dest.append(rurls[pick.randrange(len(rurls))])
+    return dest
+
+
 def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplicas: int, foreign: float,
                reqs, bargs, a, rx, logdir: Path, tok, watch_every: float = 10.0) -> dict:
     from routing_experiment import flush, port_free, router_cmd, start, stop, wait_healthy
@@ -376,13 +401,7 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
                     break
                 time.sleep(0.5)
             print(f"    streams before the run: {states}", flush=True)
-        pick = random.Random(a.seed + 7)
-        dest = []
-        for _ in reqs:
-            if pick.random() < foreign:
-                dest.append(urls[pick.randrange(len(urls))])
-            else:
-                dest.append(rurls[pick.randrange(nreplicas)])
+        dest = direct_destinations(reqs, urls, rurls, foreign, a.seed, getattr(a, "foreign_by", "request"))
         clock0 = sim_clock(urls)
         t0 = time.monotonic()
         with Watch(logdir / f"watch-{label}.log", urls, rurls, every=watch_every) as watch:
@@ -616,7 +635,8 @@ def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
     titles = {"pressure-shared_prefix": "KV pressure, shared_prefix",
               "pressure-multi_turn": "KV pressure, multi_turn",
               "replicas": "two router replicas, traffic split at random",
-              "foreign": f"{a.foreign_share:.0%} of the traffic straight to the workers",
+              "foreign": f"{a.foreign_share:.0%} of the traffic straight to the workers"
+                         + (" (each conversation's to one worker)" if a.foreign_by == "conversation" else ""),
               "dp": "DP attention, 2 ranks per worker (separate caches)"}
     for name, t in all_rows.items():
         body += [f"### {titles.get(name, name)} ({t['workers']} workers x {t['dp']} rank(s), {t['workload']}, "
@@ -646,6 +666,10 @@ def add_parser(sub) -> None:
     k.add_argument("--mt-system-len", type=int, default=0,
                    help="multi_turn: tokens of a system prompt of each conversation's own (default none)")
     k.add_argument("--foreign-share", type=float, default=0.3)
+    k.add_argument("--foreign-by", choices=("request", "conversation"), default="request",
+                   help="direct traffic: each direct request to a random worker ('request'), or every direct "
+                        "request of a conversation to one worker drawn for it ('conversation': a client that "
+                        "bypasses the router keeps one engine's address)")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--request-timeout", type=float, default=120.0,
                    help="model seconds a request may take end to end before the client gives up (it counts "

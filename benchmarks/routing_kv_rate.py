@@ -519,7 +519,10 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
         f"`--stream-interval {a.stream_interval}`), k = {a.time_scale:g} (the sims run k times slower, the client "
         f"divides its clock by k: every time and rate here is model time). {res['replicas']} router "
         f"replica(s), each request to one at random (seeded)"
-        + (f", {res['direct_share']:.0%} of the requests straight to a random worker" if res["direct_share"] else "")
+        + ((f", {res['direct_share']:.0%} of the requests straight to a worker, "
+            + ("every direct request of a conversation to one worker drawn for it (`--foreign-by conversation`)"
+               if getattr(a, "foreign_by", "request") == "conversation" else "each to a random one"))
+           if res["direct_share"] else "")
         + f". Workload: {wl}, {a.output_len} output tokens, {res['requests']} requests per run, open-loop Poisson "
         "arrivals (seed 0; the same requests and the same arrival shape at every rate, times scaled by 1 / rate). "
         "Every run starts with flushed worker caches and fresh routers. cache_aware: sgl-router's default "

@@ -110,3 +110,31 @@ def test_the_pool_bound_never_exceeds_the_infinite_one_and_grows_with_the_pool(r
         inf = rk.infinite_cache_bound(prompts)[0]
         got = [rk.finite_pool_bound(prompts, pages * 16)[0] for pages in (1, 2, 4, 8, 16, 64)]
         assert got == sorted(got) and got[-1] <= inf
+
+
+class _Req:
+    def __init__(self, group: int):
+        self.group = group
+
+
+def test_direct_destinations_by_conversation_pins_each_conversation(rk):
+    """--foreign-by conversation: a conversation's direct requests all reach one worker; which requests go
+    direct and which replica a routed one reaches are the draws of --foreign-by request."""
+    reqs = [_Req(g) for _ in range(6) for g in range(40)]
+    urls, rurls = ["w0", "w1", "w2", "w3"], ["r0", "r1"]
+    per_req = rk.direct_destinations(reqs, urls, rurls, 0.3, 5, "request")
+    per_conv = rk.direct_destinations(reqs, urls, rurls, 0.3, 5, "conversation")
+    assert [d in urls for d in per_req] == [d in urls for d in per_conv]
+    assert [d for d in per_req if d in rurls] == [d for d in per_conv if d in rurls]
+    direct = sum(d in urls for d in per_conv)
+    assert 0.2 * len(reqs) < direct < 0.4 * len(reqs)
+    homes: dict = {}
+    for r, d in zip(reqs, per_conv):
+        if d in urls:
+            assert homes.setdefault(r.group, d) == d
+    assert len(set(homes.values())) == 4  # conversations spread over every worker
+    spread: dict = {}
+    for r, d in zip(reqs, per_req):
+        if d in urls:
+            spread.setdefault(r.group, set()).add(d)
+    assert any(len(s) > 1 for s in spread.values())  # per request, a conversation's direct turns scatter
