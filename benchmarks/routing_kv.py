@@ -175,6 +175,54 @@ def split_cache_hits(prompts: list[list[int]], direct_to: list[int | None]) -> l
     return out
 
 
+def follow_cache_hits(prompts: list[list[int]], direct_to: list[int | None], groups: list,
+                      n_workers: int) -> list[float]:
+    """Per request, the prompt tokens a router that cannot see the future can expect to hit when every
+    direct request of a conversation goes to one worker drawn for it (``--foreign-by conversation``).
+
+    ``groups[i]``: request ``i``'s conversation; ``n_workers``: how many workers the draw is over. It is
+    :func:`split_cache_hits` with one change: the first direct request of a conversation that already had
+    routed requests finds their pages on its worker only with probability ``1 / n_workers`` (the worker is
+    drawn uniformly and independently of everything before, so no placement of those routed requests on
+    one worker matches it more often); otherwise it hits only other conversations' routed pages and the
+    direct pages of its own worker.  After that request the router can see where the conversation lives,
+    and the optimistic rule of :func:`split_cache_hits` applies again.  An expectation for a router that
+    follows the cache, not a bound: it does not model a router that copies one conversation onto several
+    workers on purpose."""
+    routed_by: dict[int, object] = {}  # page -> the one conversation whose routed prompts held it, or _MANY
+    direct: dict[int, set[int]] = {}
+    seen_routed: set = set()  # conversations with a routed request so far
+    seen_direct: set = set()  # conversations with a direct request so far
+    own = split_cache_hits(prompts, direct_to)
+    out: list[float] = []
+    for i, (ids, w, g) in enumerate(zip(prompts, direct_to, groups)):
+        keys = page_keys(ids)
+        hit = float(own[i])
+        if w is not None and g not in seen_direct and g in seen_routed:
+            mine = direct.get(w, set())
+            n = 0
+            for k in page_keys(ids[:-1]):
+                o = routed_by.get(k)
+                if (o is not None and o != g) or k in mine:
+                    n += 1
+                else:
+                    break
+            hit = hit / n_workers + (n_workers - 1) / n_workers * min(hit, n * PAGE)
+        out.append(hit)
+        if w is None:
+            seen_routed.add(g)
+            for k in keys:
+                o = routed_by.get(k)
+                routed_by[k] = g if o is None or o == g else _MANY
+        else:
+            seen_direct.add(g)
+            direct.setdefault(w, set()).update(keys)
+    return out
+
+
+_MANY = object()  # a page routed by more than one conversation
+
+
 def split_cache_bound(prompts: list[list[int]], direct_to: list[int | None]) -> tuple[int, int]:
     """``(cached, prompt tokens)``: :func:`split_cache_hits` summed. It is :func:`infinite_cache_bound`
     when nothing goes direct, and never above it."""
@@ -457,12 +505,17 @@ def run_router(label: str, kind: str, flags: list[str], urls: list[str], nreplic
     c2, t2 = split_cache_bound(prompts, direct_to)
     s["split_bound_hit_rate"] = c2 / t2 if t2 else 0.0
     s["bound_token_mismatch"] = sum(1 for r, p in zip(order, prompts) if len(p) != r.prompt_tokens)
+    if getattr(a, "foreign_by", "request") == "conversation" and any(d is not None for d in direct_to):
+        groups = [by_rid[r.rid].group for r in order]
+        s["follow_hit_rate"] = sum(follow_cache_hits(prompts, direct_to, groups, len(urls))) / t2 if t2 else 0.0
     c3, t3 = finite_pool_bound(prompts, rx["streams"] * a.max_total_tokens)  # every worker's (rank's) pool
     s["pool_bound_hit_rate"] = c3 / t3 if t3 else 0.0
     pred = s["prediction"]
     mae = f"{pred['abs_sum'] / pred['count']:.0f}" if pred and pred["count"] else "-"
     print(f"  {label:<30} hit {s['cache_hit_rate']:6.1%} (bound {s['bound_hit_rate']:.1%}, "
-          f"own-worker bound {s['split_bound_hit_rate']:.1%}, pool bound {s['pool_bound_hit_rate']:.1%})  "
+          f"own-worker bound {s['split_bound_hit_rate']:.1%}, "
+          + (f"follow-the-cache {s['follow_hit_rate']:.1%}, " if "follow_hit_rate" in s else "")
+          + f"pool bound {s['pool_bound_hit_rate']:.1%})  "
           f"{s['request_throughput']:7.2f} req/s  TTFT p50 {s['ttft_s']['p50'] * 1e3:7.1f} p90 "
           f"{s['ttft_p90_s'] * 1e3:7.1f} p99 {s['ttft_s']['p99'] * 1e3:7.1f} ms{_split_p90(s)}  MAE {mae}  "
           f"failed {s['failed']}  branches {branches}  sim late {s['sim_late_share']:.1%}  (wall {wall:.0f} s)",

@@ -428,7 +428,11 @@ def routed_p90_cells(r: dict, ref: dict | None) -> str:
 
 def rate_table(res: dict) -> str:
     """Markdown: one row per (rate, router), in rate order, with kv_aware's p90 over cache_aware's."""
-    head = ("| rate (req/s) | run | window (s) | router | hit rate | bound | pool bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
+    direct = any(r.get("ttft_p90_direct_s") is not None for r in res["rows"])  # a share went past the router
+    follow = any("follow_hit_rate" in r for r in res["rows"])  # direct traffic pinned per conversation
+    own_h = (" own-worker bound |" if direct else "") + (" follow-the-cache |" if follow else "")
+    head = ("| rate (req/s) | run | window (s) | router | hit rate | bound |" + own_h + " pool bound | TTFT p50 (ms) | "
+            "TTFT p90 (ms) | TTFT p99 (ms) | "
             "p90 / cache_aware's | routed p90 (ms) | routed p90 / cache_aware's | req/s | backlog mid / end / peak | workers waiting max | busy | "
             "failed | sim late | load avg |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -443,12 +447,15 @@ def rate_table(res: dict) -> str:
             q = r["queue"]
             bound = f"{r['bound_hit_rate']:.1%}" if "bound_hit_rate" in r else "-"
             pool = f"{r['pool_bound_hit_rate']:.1%}" if "pool_bound_hit_rate" in r else "-"  # older results: none
+            own = (f" {r['split_bound_hit_rate']:.1%} |" if "split_bound_hit_rate" in r else " - |") if direct else ""
+            if follow:
+                own += f" {r['follow_hit_rate']:.1%} |" if "follow_hit_rate" in r else " - |"
             ratio = (f"{r['ttft_p90_s'] / ref['ttft_p90_s']:.2f}x"
                      if ref and ref.get("ttft_p90_s") and r.get("ttft_p90_s") else "-")
             p90 = f"{r['ttft_p90_s'] * 1e3:.0f}" if r.get("ttft_p90_s") else "-"
             out.append(
                 f"| {rate:.1f} | {r.get('rep', 0) + 1} | {q['window_s']:.1f} | {r['label']} | {r['cache_hit_rate']:.1%} | "
-                f"{bound} | {pool} | "
+                f"{bound} |{own} {pool} | "
                 f"{r['ttft_s']['p50'] * 1e3:.0f} | {p90} | {r['ttft_s']['p99'] * 1e3:.0f} | {ratio} | "
                 f"{routed_p90_cells(r, ref)} "
                 f"{r['request_throughput']:.1f} | {q['mid']} / {q['end']} / {q['peak']} | "
@@ -527,7 +534,17 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
         "arrivals (seed 0; the same requests and the same arrival shape at every rate, times scaled by 1 / rate). "
         "Every run starts with flushed worker caches and fresh routers. cache_aware: sgl-router's default "
         "thresholds (cache 0.3, balance abs 64 / rel 1.5); kv_aware: its defaults. "
-        "**window**: the arrival window (first to last arrival, model s); over capacity the backlog, and so "
+        "**bound**: the hit rate of one infinite page-16 radix cache over the same requests in arrival order "
+        "(no router can beat it); **own-worker bound** (with direct traffic): the same, except that a direct "
+        "request can only hit what was routed earlier or sent straight to its own worker (`split_cache_bound`); "
+        "**pool bound**: one cache the size of every worker's pool together, evicting offline-optimally "
+        "(`finite_pool_bound`). "
+        + ("**follow-the-cache** (direct traffic pinned per conversation): the hit rate a router that cannot "
+           "see the future can expect, the own-worker bound except that a conversation's first direct request "
+           "after routed ones finds them on its worker only with probability 1 / workers "
+           "(`follow_cache_hits`; an expectation, not a bound). "
+           if any("follow_hit_rate" in r for r in res["rows"]) else "")
+        + "**window**: the arrival window (first to last arrival, model s); over capacity the backlog, and so "
         "the p90/p99, grow with it. **backlog**: requests that had arrived and had no first token yet, at the "
         "middle / end of the window, and its peak over 20 points (from the client's timestamps). **workers "
         "waiting max**: the largest summed `num_waiting_reqs` of the workers, polled every "

@@ -138,3 +138,36 @@ def test_direct_destinations_by_conversation_pins_each_conversation(rk):
         if d in urls:
             spread.setdefault(r.group, set()).add(d)
     assert any(len(s) > 1 for s in spread.values())  # per request, a conversation's direct turns scatter
+
+
+def test_follow_cache_discounts_only_a_conversations_first_direct_request_after_routed_ones(rk):
+    """Conversation a: routed, then direct to worker 0 (first direct after a routed one: its 4-page hit is
+    expected only 1 time in 4), then direct again (its worker now holds the previous direct prompt: the
+    full hit).  Conversation b starts direct, so nothing of b is discounted."""
+    a0 = SYS + seq(1, 16)  # 5 pages
+    a1 = a0 + seq(100, 16)  # a0's 5 pages are a prefix of a1's first 95 tokens
+    a2 = a1 + seq(200, 16)
+    b0 = seq(5000, 48)
+    b1 = b0 + seq(300, 16)
+    b2 = b1 + seq(400, 16)
+    prompts = [a0, b0, a1, b1, a2, b2]
+    direct_to = [None, 1, 0, None, 0, 1]
+    groups = ["a", "b", "a", "b", "a", "b"]
+    own = rk.split_cache_hits(prompts, direct_to)
+    assert own == [0, 0, 80, 48, 96, 64]
+    got = rk.follow_cache_hits(prompts, direct_to, groups, 4)
+    assert got == [0, 0, 80 / 4, 48, 96, 64]
+    assert rk.follow_cache_hits(prompts, direct_to, groups, 1) == own  # one worker: nothing to miss
+
+
+def test_follow_cache_keeps_what_other_conversations_routed(rk):
+    """x and y share a 2-page system prompt; x's first direct request after a routed one still finds y's
+    routed pages (the router may have put them on its worker), so the miss case keeps those 32 tokens."""
+    shared = seq(7000, 32)
+    x0, y0 = shared + seq(1, 32), shared + seq(500, 32)
+    x1 = x0 + seq(2, 16)
+    got = rk.follow_cache_hits([x0, y0, x1], [None, None, 3], ["x", "y", "x"], 4)
+    assert got[:2] == [0, 32]
+    assert got[2] == pytest.approx(64 / 4 + 3 / 4 * 32)
+    never_above = rk.split_cache_hits([x0, y0, x1], [None, None, 3])
+    assert all(f <= o for f, o in zip(got, never_above))

@@ -234,3 +234,26 @@ def test_rate_table_shows_the_routed_p90_next_to_the_overall_one(rr):
     del kv["ttft_p90_routed_s"]
     assert [c.strip() for c in rr.rate_table({"rows": [ca, kv]}).splitlines()[3].split("|")][i:i + 2] == ["-", "-"]
     assert len(lines[0].split("|")) == len(lines[1].split("|")) == len(lines[3].split("|"))
+
+
+def test_rate_table_shows_the_own_worker_bound_only_with_direct_traffic(rr):
+    """With a share sent past the router the own-worker bound (``split_cache_bound``) gets its own column
+    after the plain bound; without direct traffic the column is not there."""
+    ca, kv = _row("cache_aware (ours)", 54.0, 0, 0.56), _row("kv_aware", 54.0, 0, 0.32)
+    assert "own-worker bound" not in rr.rate_table({"rows": [ca, kv]}).splitlines()[0]
+    ca["ttft_p90_direct_s"], kv["ttft_p90_direct_s"] = 0.7, 0.4
+    ca["split_bound_hit_rate"], kv["split_bound_hit_rate"] = 0.612, 0.598
+    lines = rr.rate_table({"rows": [ca, kv]}).splitlines()
+    head = [c.strip() for c in lines[0].split("|")]
+    i = head.index("own-worker bound")
+    assert head[i - 1] == "bound" and head[i + 1] == "pool bound"
+    assert [[c.strip() for c in ln.split("|")][i] for ln in lines[2:]] == ["61.2%", "59.8%"]
+    del kv["split_bound_hit_rate"]  # an older results file: still renders
+    assert [c.strip() for c in rr.rate_table({"rows": [ca, kv]}).splitlines()[3].split("|")][i] == "-"
+    assert len({len(ln.split("|")) for ln in lines}) == 1
+    kv["split_bound_hit_rate"], kv["follow_hit_rate"] = 0.598, 0.553  # pinned direct traffic: one more column
+    lines = rr.rate_table({"rows": [ca, kv]}).splitlines()
+    head = [c.strip() for c in lines[0].split("|")]
+    j = head.index("follow-the-cache")
+    assert head[j - 1] == "own-worker bound" and head[j + 1] == "pool bound"
+    assert [[c.strip() for c in ln.split("|")][j] for ln in lines[2:]] == ["-", "55.3%"]
