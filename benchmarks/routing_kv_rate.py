@@ -429,7 +429,7 @@ def routed_p90_cells(r: dict, ref: dict | None) -> str:
 def rate_table(res: dict) -> str:
     """Markdown: one row per (rate, router), in rate order, with kv_aware's p90 over cache_aware's."""
     direct = any(r.get("ttft_p90_direct_s") is not None for r in res["rows"])  # a share went past the router
-    follow = any("follow_hit_rate" in r for r in res["rows"])  # direct traffic pinned per conversation
+    follow = any("greedy_hit_rate" in r for r in res["rows"])  # simulated for runs with direct traffic
     own_h = (" own-worker bound |" if direct else "") + (" follow-the-cache |" if follow else "")
     head = ("| rate (req/s) | run | window (s) | router | hit rate | bound |" + own_h + " pool bound | TTFT p50 (ms) | "
             "TTFT p90 (ms) | TTFT p99 (ms) | "
@@ -449,7 +449,7 @@ def rate_table(res: dict) -> str:
             pool = f"{r['pool_bound_hit_rate']:.1%}" if "pool_bound_hit_rate" in r else "-"  # older results: none
             own = (f" {r['split_bound_hit_rate']:.1%} |" if "split_bound_hit_rate" in r else " - |") if direct else ""
             if follow:
-                own += f" {r['follow_hit_rate']:.1%} |" if "follow_hit_rate" in r else " - |"
+                own += f" {r['greedy_hit_rate']:.1%} |" if "greedy_hit_rate" in r else " - |"
             ratio = (f"{r['ttft_p90_s'] / ref['ttft_p90_s']:.2f}x"
                      if ref and ref.get("ttft_p90_s") and r.get("ttft_p90_s") else "-")
             p90 = f"{r['ttft_p90_s'] * 1e3:.0f}" if r.get("ttft_p90_s") else "-"
@@ -539,11 +539,11 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
         "request can only hit what was routed earlier or sent straight to its own worker (`split_cache_bound`); "
         "**pool bound**: one cache the size of every worker's pool together, evicting offline-optimally "
         "(`finite_pool_bound`). "
-        + ("**follow-the-cache** (direct traffic pinned per conversation): the hit rate a router that cannot "
-           "see the future can expect, the own-worker bound except that a conversation's first direct request "
-           "after routed ones finds them on its worker only with probability 1 / workers "
-           "(`follow_cache_hits`; an expectation, not a bound). "
-           if any("follow_hit_rate" in r for r in res["rows"]) else "")
+        + ("**follow-the-cache**: the hit rate of a load-blind router that sends each routed request to the "
+           "worker holding its longest prefix (ties at random, mean of 8 draws), on the same stream with the "
+           "same direct destinations and infinite caches (`greedy_follow_hits`): what following the cache can "
+           "reach when the direct requests land where they did; not a bound. "
+           if any("greedy_hit_rate" in r for r in res["rows"]) else "")
         + "**window**: the arrival window (first to last arrival, model s); over capacity the backlog, and so "
         "the p90/p99, grow with it. **backlog**: requests that had arrived and had no first token yet, at the "
         "middle / end of the window, and its peak over 20 points (from the client's timestamps). **workers "

@@ -171,3 +171,41 @@ def test_follow_cache_keeps_what_other_conversations_routed(rk):
     assert got[2] == pytest.approx(64 / 4 + 3 / 4 * 32)
     never_above = rk.split_cache_hits([x0, y0, x1], [None, None, 3])
     assert all(f <= o for f, o in zip(got, never_above))
+
+
+def test_greedy_follow_routes_each_request_to_its_longest_prefix(rk):
+    """Routed requests follow their prefix; a direct one to another worker finds nothing of it there."""
+    a0 = SYS + seq(1, 16)
+    a1 = a0 + seq(100, 16)  # routed: follows a0 wherever it went (80 tokens)
+    a2 = a1 + seq(200, 16)  # direct to a worker a's prompts may not be on
+    b0 = seq(5000, 48)
+    prompts = [a0, a1, b0, a2]
+    # with one worker every request finds all of its history
+    assert rk.greedy_follow_hits(prompts, [None, None, None, 0], 1) == 80 + 96
+    # four workers: a0 lands at random, a1 follows it; a2 direct to worker 2 hits 96 only where a went
+    got = rk.greedy_follow_hits(prompts, [None, None, None, 2], 4, seeds=400)
+    assert 80 + 96 / 4 * 0.8 < got < 80 + 96 / 4 * 1.2
+    assert rk.greedy_follow_hits(prompts, [None, None, None, 2], 4, seeds=3) == \
+        rk.greedy_follow_hits(prompts, [None, None, None, 2], 4, seeds=3)  # seeded
+
+
+def test_greedy_follow_matches_the_expectation_when_direct_traffic_is_pinned(rk):
+    """On a pinned stream (each conversation's direct requests to one worker) the simulated router's mean
+    agrees with follow_cache_hits, and both stay at or under the own-worker bound."""
+    rng = random.Random(3)
+    convs = 40
+    home = [rng.randrange(4) for _ in range(convs)]
+    hist = [seq(10000 * c, 64) for c in range(convs)]  # a 4-page system prompt each
+    prompts, direct_to, groups = [], [], []
+    for t in range(4):
+        for c in range(convs):
+            hist[c] = hist[c] + seq(10000 * c + 1000 * (t + 1), 24)
+            prompts.append(list(hist[c]))
+            direct_to.append(home[c] if rng.random() < 0.3 else None)
+            groups.append(c)
+    expect = sum(rk.follow_cache_hits(prompts, direct_to, groups, 4))
+    greedy = rk.greedy_follow_hits(prompts, direct_to, 4, seeds=64)
+    own = sum(rk.split_cache_hits(prompts, direct_to))
+    assert greedy <= own and expect <= own
+    assert abs(greedy - expect) < 0.03 * own
+    assert expect < 0.95 * own  # the discount is visible on this stream

@@ -251,7 +251,7 @@ def test_rate_table_shows_the_own_worker_bound_only_with_direct_traffic(rr):
     del kv["split_bound_hit_rate"]  # an older results file: still renders
     assert [c.strip() for c in rr.rate_table({"rows": [ca, kv]}).splitlines()[3].split("|")][i] == "-"
     assert len({len(ln.split("|")) for ln in lines}) == 1
-    kv["split_bound_hit_rate"], kv["follow_hit_rate"] = 0.598, 0.553  # pinned direct traffic: one more column
+    kv["split_bound_hit_rate"], kv["greedy_hit_rate"] = 0.598, 0.553  # pinned direct traffic: one more column
     lines = rr.rate_table({"rows": [ca, kv]}).splitlines()
     head = [c.strip() for c in lines[0].split("|")]
     j = head.index("follow-the-cache")
