@@ -26,9 +26,16 @@ def machine_line() -> str:
     return f"{platform.machine()}, {cores} cores, Python {sys.version.split()[0]}, {platform.platform()}"
 
 
-def write_section(name: str, title: str, command: str, body_markdown: str, doc: Path = DOC) -> None:
-    """Replace (or append) section ``name`` with a header, the command, date, machine and body."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def now_stamp() -> str:
+    """The time now as the sections write it (UTC, minutes)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def write_section(name: str, title: str, command: str, body_markdown: str, doc: Path = DOC,
+                  stamp: str | None = None) -> None:
+    """Replace (or append) section ``name`` with a header, the command, date, machine and body.
+    ``stamp``: the date line (default: now), e.g. the measuring run's when a table is only re-rendered."""
+    stamp = stamp or now_stamp()
     block = (
         f"<!-- BEGIN {name} -->\n## {title}\n\n"
         f"Command: `{command}`  \nDate: {stamp}  \nMachine: {machine_line()}\n\n"

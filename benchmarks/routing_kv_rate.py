@@ -294,6 +294,7 @@ def _window_rows(s: dict, marks: Sequence[float]) -> list[dict]:
 def rate_part(a: argparse.Namespace) -> None:
     import routing_kv as rk
     from routing_experiment import RESULTS, start, stop, wait_healthy
+    from doc_section import now_stamp
 
     from fleetserve.bench import cli as bench_cli
     from fleetserve.router.kv_events.tokenize import RouterTokenizer
@@ -332,6 +333,8 @@ def rate_part(a: argparse.Namespace) -> None:
     share = a.foreign_share if foreign else 0.0
     out_file = RESULTS / f"{a.section}.json"
     res: dict = {"scenario": name, "workload": wname, "workers": n, "replicas": nrep, "direct_share": share,
+                 "command": "python benchmarks/routing_experiment.py kv " + " ".join(shlex.quote(x) for x in a.argv),
+                 "date": now_stamp(),
                  "probes": [], "rows": [], "loads": [list(os.getloadavg())]}
 
     def save() -> None:
@@ -503,7 +506,7 @@ def probe_table(res: dict) -> str:
 
 
 def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
-    from doc_section import write_section
+    from doc_section import now_stamp, write_section
 
     if a.no_doc:
         return
@@ -579,7 +582,11 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
                  "request, the share served by another worker than that earlier request (a turn leaving its "
                  "history's cache; `-`: not recorded).", "", wt, ""]
     cmd = "python benchmarks/routing_experiment.py kv " + " ".join(shlex.quote(x) for x in a.argv)
-    write_section(a.section, a.title, cmd.strip(), "\n".join(body))
+    stamp = None
+    if res.get("command") and a.rates == ["render"]:  # re-rendered: name the measuring run and its date
+        stamp = f"{res['date']} (tables re-rendered {now_stamp()} by the same command with `--rates render`)"
+        cmd = res["command"]
+    write_section(a.section, a.title, cmd.strip(), "\n".join(body), stamp=stamp)
 
 
 def add_arguments(k: argparse.ArgumentParser) -> None:

@@ -257,3 +257,35 @@ def test_rate_table_shows_the_own_worker_bound_only_with_direct_traffic(rr):
     j = head.index("follow-the-cache")
     assert head[j - 1] == "own-worker bound" and head[j + 1] == "pool bound"
     assert [[c.strip() for c in ln.split("|")][j] for ln in lines[2:]] == ["-", "55.3%"]
+
+
+def test_render_keeps_the_measuring_runs_command_and_date(rr, monkeypatch, tmp_path):
+    """``--rates render`` rewrites a section from a results file: the section still names the command
+    and the date of the run that measured it (the file keeps both), and says when it was re-rendered."""
+    import argparse
+
+    monkeypatch.syspath_prepend(BENCH)
+    import doc_section
+
+    doc = tmp_path / "bench.md"
+    real = doc_section.write_section
+    monkeypatch.setattr(doc_section, "write_section", lambda *x, **k: real(*x, doc=doc, **k))
+    a = argparse.Namespace(
+        no_doc=False, conversations=3, turns=2, mt_system_len=0, question_len=8, output_len=4, groups=0,
+        prompts_per_group=0, system_len=0, stream_interval=16, max_total_tokens=1000, time_scale=8.0,
+        watch_every=2.0, note="", window_marks=[1.0], section="s1", title="T", foreign_by="conversation",
+        rates=["render"], argv=["--scenarios", "foreign", "--rates", "render"])
+    row = _row("kv_aware", 64.0, 0, 0.3)
+    row["loadavg_end"] = [0.5, 0.4, 0.3]
+    res = {"scenario": "foreign", "workload": "multi_turn", "workers": 4, "replicas": 1, "direct_share": 0.3,
+           "requests": 6, "loads": [[0.2, 0.2, 0.2]], "rows": [row],
+           "command": "python benchmarks/routing_experiment.py kv --scenarios foreign --rates 64",
+           "date": "2026-12-06 20:12 UTC"}
+    rr.write_rate_doc(a, res)
+    text = doc.read_text()
+    assert "Command: `python benchmarks/routing_experiment.py kv --scenarios foreign --rates 64`" in text
+    assert "Date: 2026-12-06 20:12 UTC (tables re-rendered " in text
+    assert "--rates render`" in text.split("Date:")[1]  # named only as how the tables were redrawn
+    del res["command"]  # an older results file: the render's own command and date, as before
+    rr.write_rate_doc(a, res)
+    assert "Command: `python benchmarks/routing_experiment.py kv --scenarios foreign --rates render`" in doc.read_text()
