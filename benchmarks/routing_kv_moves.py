@@ -1,0 +1,96 @@
+"""Where each later turn of a conversation went, and what it found cached, from ``--dump-requests`` files.
+
+``routing_experiment.py kv --rates ... --dump-requests`` writes, per router row,
+``<log-dir>/requests-<router>-<rate>-<run>.json``: every request's id (``c<conversation>-t<turn>``),
+worker, prompt and cached tokens and whether it went straight to a worker.  This groups every turn after
+a conversation's first by how it was sent (routed / direct) and by where it went against the turn
+before it:
+
+- after a routed turn: ``stay`` (the same worker) or ``moved``;
+- after a direct turn: ``to the direct worker`` (the previous turn's), ``to the last routed worker`` (the
+  worker of the conversation's latest routed turn, when that was another), or ``elsewhere``
+  (``elsewhere, no routed turn yet`` when the conversation had none).
+
+Each class gets its count and its hit rate (cached over prompt tokens).  A router that follows the cache
+keeps ``routed after routed: moved`` small; the direct classes show what traffic past the router does
+to a conversation's cache, whichever router is in front.
+
+Usage::
+
+    python benchmarks/routing_kv_moves.py /tmp/fpin2/r5-request
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+_RID = re.compile(r"c(\d+)-t(\d+)$")
+
+
+def classify(records: list[dict]) -> dict[str, tuple[int, int, int]]:
+    """``{class: (turns, cached tokens, prompt tokens)}`` over the turns after each conversation's first.
+
+    ``records``: dicts with ``rid`` (``c<conv>-t<turn>``), ``worker``, ``direct``, ``cached`` and
+    ``prompt`` (a ``--dump-requests`` file).  A turn whose previous turn is missing (failed, not in the
+    file) is skipped.  Raises ValueError on an id of another shape."""
+    convs: dict[int, dict[int, dict]] = defaultdict(dict)
+    for r in records:
+        m = _RID.search(r["rid"])
+        if m is None:
+            raise ValueError(f"request id {r['rid']!r} is not c<conversation>-t<turn>")
+        convs[int(m[1])][int(m[2])] = r
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for turns in convs.values():
+        for t in sorted(turns):
+            prev = turns.get(t - 1)
+            if t == 0 or prev is None:
+                continue
+            r = turns[t]
+            how = "direct" if r["direct"] else "routed"
+            if not prev["direct"]:
+                where = "stay" if r["worker"] == prev["worker"] else "moved"
+                name = f"{how} after routed: {where}"
+            else:
+                last = next((turns[u]["worker"] for u in range(t - 2, -1, -1)
+                             if u in turns and not turns[u]["direct"]), None)
+                if r["worker"] == prev["worker"]:
+                    where = "to the direct worker"
+                elif last is not None and r["worker"] == last:
+                    where = "to the last routed worker"
+                else:
+                    where = "elsewhere" if last is not None else "elsewhere, no routed turn yet"
+                name = f"{how} after direct: {where}"
+            c = out[name]
+            c[0] += 1
+            c[1] += r["cached"]
+            c[2] += r["prompt"]
+    return {k: (v[0], v[1], v[2]) for k, v in sorted(out.items())}
+
+
+def table(files: list[Path]) -> str:
+    """Markdown: one row per (file, class)."""
+    lines = ["| run | class | turns | hit rate |", "|---|---|---|---|"]
+    for f in files:
+        run = f.stem.removeprefix("requests-")
+        for name, (n, cached, prompt) in classify(json.loads(f.read_text())).items():
+            lines.append(f"| {run} | {name} | {n} | {cached / prompt:.1%} |" if prompt else
+                         f"| {run} | {name} | {n} | - |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("log_dir", help="a --log-dir of a run with --dump-requests")
+    a = p.parse_args()
+    files = sorted(Path(a.log_dir).glob("requests-*.json"))
+    if not files:
+        raise SystemExit(f"{a.log_dir}: no requests-*.json (run with --dump-requests)")
+    print(table(files))
+
+
+if __name__ == "__main__":
+    main()
