@@ -1,20 +1,12 @@
 """benchmarks/parallel_decode.py part 3: how per-rank step records become the instance's figures."""
 
-import importlib.util
-import os
-
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-PATH = os.path.join(HERE, "..", "..", "..", "benchmarks", "parallel_decode.py")
+from helpers.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def pd():
-    spec = importlib.util.spec_from_file_location("parallel_decode_bench", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("parallel_decode")
 
 
 def rank(leader, steps, outputs, pool=100):

@@ -1,24 +1,11 @@
 """Pure parts of benchmarks/quant_quality.py (agreement scores) and benchmarks/compile_throughput.py
 (inductor cache state, median round); the benchmarks themselves load SmolLM2 and are not run here."""
 
-import importlib.util
-import os
-import sys
-
 import pytest
+from helpers.bench_module import load_bench
 
-BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks")
 
-
-def _load(name: str):
-    sys.path.insert(0, BENCH)  # the scripts import their siblings (quant_throughput, engine_throughput)
-    try:
-        spec = importlib.util.spec_from_file_location(f"{name}_bench", os.path.join(BENCH, f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(BENCH)
+_load = load_bench  # the scripts import their siblings (quant_throughput, engine_throughput)
 
 
 @pytest.fixture(scope="module")

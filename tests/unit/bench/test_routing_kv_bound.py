@@ -1,26 +1,14 @@
 """benchmarks/routing_kv.py: the hit-rate bounds (infinite cache, and own worker for direct traffic)."""
 
-import importlib.util
-import os
 import random
-import sys
 
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.join(HERE, "..", "..", "..", "benchmarks")
+from helpers.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def rk():
-    sys.path.insert(0, BENCH)  # routing_kv imports doc_section from there
-    try:
-        spec = importlib.util.spec_from_file_location("routing_kv_bench", os.path.join(BENCH, "routing_kv.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(BENCH)
-    return mod
+    return load_bench("routing_kv")
 
 
 def seq(start: int, n: int) -> list[int]:

@@ -1,19 +1,12 @@
 """benchmarks/routing_kv_moves.py: later turns classed by how they were sent and where they went."""
 
-import importlib.util
-import os
-
 import pytest
-
-BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks")
+from helpers.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def mv():
-    spec = importlib.util.spec_from_file_location("routing_kv_moves_bench", os.path.join(BENCH, "routing_kv_moves.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("routing_kv_moves")
 
 
 def rec(rid, worker, direct, cached, prompt=100):

@@ -1,25 +1,18 @@
 """benchmarks/routing_kv_rate.py: open-loop schedule, backlog / queue-growth test, rate search, rate choice."""
 
-import importlib.util
 import math
-import os
 import random
 
 import numpy as np
 import pytest
 
 from fleetserve.bench import workloads
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.join(HERE, "..", "..", "..", "benchmarks")
+from helpers.bench_module import BENCH, load_bench
 
 
 @pytest.fixture(scope="module")
 def rr():
-    spec = importlib.util.spec_from_file_location("routing_kv_rate_bench", os.path.join(BENCH, "routing_kv_rate.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("routing_kv_rate")
 
 
 def fifo_ttfts(arrivals: list[float], service_s: float) -> list[float]:
