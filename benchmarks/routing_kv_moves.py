@@ -35,10 +35,13 @@ def classify(records: list[dict]) -> dict[str, tuple[int, int, int]]:
     """``{class: (turns, cached tokens, prompt tokens)}`` over the turns after each conversation's first.
 
     ``records``: dicts with ``rid`` (``c<conv>-t<turn>``), ``worker``, ``direct``, ``cached`` and
-    ``prompt`` (a ``--dump-requests`` file).  A turn whose previous turn is missing (failed, not in the
-    file) is skipped.  Raises ValueError on an id of another shape."""
+    ``prompt`` (a ``--dump-requests`` file).  A failed request (``worker`` null: it was never served) is
+    left out, and a turn whose previous turn is missing (failed, not in the file) is skipped.  Raises
+    ValueError on an id of another shape (e.g. shared_prefix's ``g<group>-p<prompt>``)."""
     convs: dict[int, dict[int, dict]] = defaultdict(dict)
     for r in records:
+        if r.get("worker") is None:
+            continue
         m = _RID.search(r["rid"])
         if m is None:
             raise ValueError(f"request id {r['rid']!r} is not c<conversation>-t<turn>")
@@ -71,12 +74,24 @@ def classify(records: list[dict]) -> dict[str, tuple[int, int, int]]:
     return {k: (v[0], v[1], v[2]) for k, v in sorted(out.items())}
 
 
+def read_records(f: Path) -> dict[str, tuple[int, int, int]]:
+    """:func:`classify` of one dump file; raises ValueError naming the file on anything it cannot read."""
+    try:
+        records = json.loads(f.read_text())
+        if not isinstance(records, list):
+            raise ValueError("not a list of request records")
+        return classify(records)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # json's errors are ValueErrors
+        what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{f}: {what}") from None
+
+
 def table(files: list[Path]) -> str:
     """Markdown: one row per (file, class)."""
     lines = ["| run | class | turns | hit rate |", "|---|---|---|---|"]
     for f in files:
         run = f.stem.removeprefix("requests-")
-        for name, (n, cached, prompt) in classify(json.loads(f.read_text())).items():
+        for name, (n, cached, prompt) in read_records(f).items():
             lines.append(f"| {run} | {name} | {n} | {cached / prompt:.1%} |" if prompt else
                          f"| {run} | {name} | {n} | - |")
     return "\n".join(lines)
@@ -86,10 +101,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("log_dir", help="a --log-dir of a run with --dump-requests")
     a = p.parse_args()
-    files = sorted(Path(a.log_dir).glob("requests-*.json"))
+    d = Path(a.log_dir)
+    if not d.is_dir():
+        raise SystemExit(f"{d}: not a directory (give the run's --log-dir)")
+    files = sorted(d.glob("requests-*.json"))
     if not files:
-        raise SystemExit(f"{a.log_dir}: no requests-*.json (run with --dump-requests)")
-    print(table(files))
+        raise SystemExit(f"{d}: no requests-*.json (run with --dump-requests)")
+    try:
+        print(table(files))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -291,6 +291,19 @@ def _window_rows(s: dict, marks: Sequence[float]) -> list[dict]:
                           [str(r["rid"]).split("-t")[0] for r in rq], [r.get("worker") for r in rq])
 
 
+# the flags write_rate_doc describes a run by: kept in the results file so that a render describes the
+# run that measured, whatever the render's own command line says
+RUN_SETTINGS = ("conversations", "turns", "mt_system_len", "question_len", "output_len", "groups",
+                "prompts_per_group", "system_len", "stream_interval", "max_total_tokens", "time_scale",
+                "watch_every", "note", "window_marks", "foreign_by", "title")
+
+
+def as_run(a: argparse.Namespace, res: dict) -> argparse.Namespace:
+    """``a`` with the settings the results file recorded (:data:`RUN_SETTINGS`) in place of the render's own
+    flags, so that a re-rendered section describes the run that measured; a file without them: ``a``."""
+    return argparse.Namespace(**{**vars(a), **res.get("settings", {})})
+
+
 def rate_part(a: argparse.Namespace) -> None:
     import routing_kv as rk
     from routing_experiment import RESULTS, start, stop, wait_healthy
@@ -316,7 +329,11 @@ def rate_part(a: argparse.Namespace) -> None:
         raise SystemExit(f"kv --rates: --window-marks must be ascending shares in (0, 1], got {a.window_marks}")
     name = a.scenarios[0]
     if a.rates == ["render"]:  # rewrite the doc section from the results file of an earlier run
-        write_rate_doc(a, json.loads((RESULTS / f"{a.section}.json").read_text()))
+        path = RESULTS / f"{a.section}.json"
+        if not path.exists():
+            raise SystemExit(f"kv --rates render: no results file {path} for --section {a.section}")
+        res = json.loads(path.read_text())
+        write_rate_doc(as_run(a, res), res)
         return
     wname, nrep, foreign, dp = rk.SCENARIOS[name]
     n = a.workers
@@ -334,7 +351,7 @@ def rate_part(a: argparse.Namespace) -> None:
     out_file = RESULTS / f"{a.section}.json"
     res: dict = {"scenario": name, "workload": wname, "workers": n, "replicas": nrep, "direct_share": share,
                  "command": "python benchmarks/routing_experiment.py kv " + " ".join(shlex.quote(x) for x in a.argv),
-                 "date": now_stamp(),
+                 "date": now_stamp(), "settings": {k: getattr(a, k, None) for k in RUN_SETTINGS},
                  "probes": [], "rows": [], "loads": [list(os.getloadavg())]}
 
     def save() -> None:

@@ -1,5 +1,7 @@
 """benchmarks/routing_kv_moves.py: later turns classed by how they were sent and where they went."""
 
+import re
+
 import pytest
 from helpers.bench_module import load_bench
 
@@ -37,3 +39,25 @@ def test_classes_follow_the_previous_turn_and_the_last_routed_worker(mv):
 def test_an_id_of_another_shape_is_refused(mv):
     with pytest.raises(ValueError, match="g0-p1"):
         mv.classify([rec("g0-p1", "w1", False, 0)])
+
+
+def test_a_failed_request_is_left_out_not_counted_as_a_move(mv):
+    """``--dump-requests`` keeps failures (worker null, 0 tokens): t1 failed, so t2 has no previous
+    turn to compare with and is skipped; nothing is a move."""
+    recs = [rec("c0-t0", "w1", False, 0), {"rid": "c0-t1", "worker": None, "direct": False, "cached": 0,
+                                           "prompt": 0}, rec("c0-t2", "w1", False, 90)]
+    assert mv.classify(recs) == {}
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "requests-x-1-0.json: Expecting property name"),
+    ('{"rid": "c0-t0"}', "not a list of request records"),
+    ('[{"rid": "c0-t0", "worker": "w1"}, {"rid": "c0-t1", "worker": "w1"}]', "missing field 'direct'"),
+    ('[{"rid": "g0-p1", "worker": "w1"}]', "is not c<conversation>-t<turn>"),
+])
+def test_an_unreadable_dump_is_named_in_one_line(mv, tmp_path, text, says):
+    f = tmp_path / "requests-x-1-0.json"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        mv.read_records(f)
+    assert str(e.value).startswith(str(f))

@@ -279,6 +279,14 @@ def test_render_keeps_the_measuring_runs_command_and_date(rr, monkeypatch, tmp_p
     assert "Command: `python benchmarks/routing_experiment.py kv --scenarios foreign --rates 64`" in text
     assert "Date: 2026-12-06 20:12 UTC (tables re-rendered " in text
     assert "--rates render`" in text.split("Date:")[1]  # named only as how the tables were redrawn
+    assert "each to a random one" not in text and "every direct request of a conversation" in text
+    # the render's own flags differ from the run's: the recorded settings describe it
+    flagged = argparse.Namespace(**{**vars(a), "conversations": 32, "turns": 6, "foreign_by": "request"})
+    res["settings"] = {"conversations": 3, "turns": 2, "foreign_by": "conversation"}
+    rr.write_rate_doc(rr.as_run(flagged, res), res)
+    text = doc.read_text()
+    assert "multi_turn 3 conversations x 2 turns" in text and "every direct request of a conversation" in text
+    assert rr.as_run(flagged, {}).conversations == 32  # an older file: the flags as given
     del res["command"]  # an older results file: the render's own command and date, as before
     rr.write_rate_doc(a, res)
     assert "Command: `python benchmarks/routing_experiment.py kv --scenarios foreign --rates render`" in doc.read_text()
