@@ -108,6 +108,7 @@ class RouterConfig:
     kv_balance_abs_threshold: float = 160.0  # the idle rule: wait gap in tokens (docs/router.md; kv_events/policy.py)
     kv_balance_rel_threshold: float = 1.2  # the idle rule: wait ratio (0: off)
     kv_balance_band: float = 0.5  # balance terms count only the excess over (1 + band) x the lowest (0: off)
+    kv_backlog_discount: float = 1.0  # queue weight / (1 + this x least queued / prompt) (0: off)
     kv_speculative_ttl_secs: float = 2.0
     kv_index_max_blocks: int = 1 << 20
     kv_loads_interval_secs: float = 1.0

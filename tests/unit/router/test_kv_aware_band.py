@@ -21,6 +21,7 @@ PROMPT = SYSTEM + list(range(5000, 5384))  # a 384-token turn after it: 2432 tok
 
 
 def state(queued_a: int, queued_b: int, **kw) -> KvAwarePolicy:
+    kw.setdefault("backlog_discount", 0)  # the band alone (test_kv_aware_backlog.py has the two together)
     pol = KvAwarePolicy(speculative_ttl_s=0, **kw)
     pol.tree.insert(RouteKey("", SYSTEM).tree_text(), A)
     for url, q in ((A, queued_a), (B, queued_b)):

@@ -45,6 +45,10 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--kv-balance-band", type=float, default=d.kv_balance_band,
                    help="kv_aware: the queued-prefill and load terms count only what a target holds over (1 + this) "
                         "x the least loaded target's (default 0.5; 0: off, the plain cost; docs/router.md, the balance band)")
+    g.add_argument("--kv-backlog-discount", type=float, default=d.kv_backlog_discount,
+                   help="kv_aware: when every target has queued prefill, divide --kv-queue-weight by (1 + this x "
+                        "the least target's queued tokens / the prompt's tokens), so that a deep, fleet-wide "
+                        "backlog does not move requests off their cache (0: off; docs/router.md)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")
@@ -77,6 +81,8 @@ def validate(cfg) -> None:
         raise ValueError("--kv-balance-rel-threshold must be 0 (off) or >= 1")
     if not cfg.kv_balance_band >= 0:
         raise ValueError("--kv-balance-band must be >= 0")
+    if not cfg.kv_backlog_discount >= 0:
+        raise ValueError("--kv-backlog-discount must be >= 0")
     if cfg.kv_speculative_ttl_secs < 0:
         raise ValueError("--kv-speculative-ttl-secs must be >= 0")
     if cfg.kv_loads_interval_secs < 0:
@@ -115,4 +121,4 @@ def make_kv_aware(cfg):
                          overflow_weight=cfg.kv_overflow_weight, queue_weight=cfg.kv_queue_weight,
                          balance_abs_threshold=cfg.kv_balance_abs_threshold,
                          balance_rel_threshold=cfg.kv_balance_rel_threshold,
-                         balance_band=cfg.kv_balance_band)
+                         balance_band=cfg.kv_balance_band, backlog_discount=cfg.kv_backlog_discount)

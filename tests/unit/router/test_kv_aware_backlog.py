@@ -1,0 +1,91 @@
+"""kv_aware's backlog discount (``--kv-backlog-discount``): when every target has prefill queued,
+the queued-prefill term weighs less, so a difference between deep queues stops moving requests off
+their cache.
+
+The states follow the router's debug log of docs/benchmarks.md ``routing-kv-rate-backlog-request``
+(a 2048-token system prompt per conversation, 384-token turns; 30% of the traffic straight to
+random workers, so the workers' queues differ by chance): the default moved a turn whose worker
+held 2048 of its 2432 tokens and had about 66k tokens queued to one with about 33k.  Hand-built
+states, no engines: the tree says what A holds, the queue and load counts are set as the router's
+bookkeeping would hold them.
+"""
+
+import pytest
+
+from fleetserve.router.config import parse_args
+from fleetserve.router.kv_events.flags import make_kv_aware
+from fleetserve.router.kv_events.policy import BACKLOG_DISCOUNT, KvAwarePolicy, RouteKey, queue_weight_under
+from fleetserve.router.workers import Worker
+
+from .test_kv_aware_queue import A, B, route_burst
+
+SYSTEM = list(range(1000, 3048))  # conversation 0's 2048-token system prompt, cached on A
+PROMPT = SYSTEM + list(range(5000, 5384))  # a 384-token turn after it: 2432 tokens
+
+
+def state(queued_a: int, queued_b: int, load: int = 50_000, **kw) -> KvAwarePolicy:
+    pol = KvAwarePolicy(speculative_ttl_s=0, **kw)
+    pol.tree.insert(RouteKey("", SYSTEM).tree_text(), A)
+    for url, q in ((A, queued_a), (B, queued_b)):
+        pol.queued_tokens[(url, None)] = q
+        pol.load_tokens[(url, None)] = load  # alike: only the queues differ
+    return pol
+
+
+def route(pol) -> RouteKey:
+    key = RouteKey("", PROMPT, 16)
+    wa, wb = Worker(A), Worker(B)
+    wa.load = wb.load = 20
+    pol.select([wa, wb], key)
+    return key
+
+
+def test_the_weight_falls_with_the_backlog_in_units_of_the_prompt():
+    assert BACKLOG_DISCOUNT == 1.0  # on since routing-kv-rate-backlog-request-2 (docs/router.md, the backlog discount)
+    assert queue_weight_under(0.5, 0, 2432, 1.0) == 0.5  # an empty target somewhere: as set
+    assert queue_weight_under(0.5, 2432, 2432, 1.0) == 0.25  # one prompt queued on every target: half
+    assert queue_weight_under(0.5, 2432, 2432, 3.0) == 0.125
+    assert queue_weight_under(0.5, 24_320, 2432, 1.0) == pytest.approx(0.5 / 11)
+    assert queue_weight_under(0.5, 1000, 0, 1.0) == 0.5  # an empty prompt: nothing to forfeit, as set
+
+
+def test_a_deep_uneven_backlog_moves_the_turn_off_its_cache_without_the_discount():
+    key = route(state(66_000, 33_000, backlog_discount=0))
+    # band 0.5: A 384 + 0.5 x (66000 - 49500) = 8634 against B's 2432
+    assert key.target == (B, None) and key.cached == 0
+
+
+@pytest.mark.parametrize("discount", [1.0, 2.0])
+def test_with_the_discount_the_turn_stays_on_its_cache(discount):
+    key = route(state(66_000, 33_000, backlog_discount=discount))
+    # discount 1: weight 0.5 / (1 + 33000 / 2432) = 0.0343; A 384 + 0.0343 x 16500 = 950 < 2432
+    assert key.target == (A, None) and key.cached == 2048
+
+
+def test_an_idle_target_still_wins_and_a_shallow_backlog_still_moves():
+    pol = state(10_000, 0, load=10_000, backlog_discount=1.0)
+    assert route(pol).target == (B, None)  # least queued 0: the full term (A 384 + 5000 against 2432)
+    # least queued 2000: weight 0.5 / (1 + 2000 / 2432) = 0.274, A 384 + 0.274 x (12000 - 3000) = 2851 > 2432
+    assert route(state(12_000, 2_000, load=10_000, backlog_discount=1.0)).target == (B, None)
+
+
+def test_the_discount_never_moves_a_request_the_plain_cost_keeps():
+    for qa, qb in ((34_000, 33_000), (2_000, 0), (8_000, 6_000)):
+        assert route(state(qa, qb, backlog_discount=0)).target == (A, None)
+        assert route(state(qa, qb, backlog_discount=1.0)).target == (A, None)
+
+
+def test_the_first_turns_of_a_burst_still_spread():
+    urls, _ = route_burst(KvAwarePolicy(speculative_ttl_s=0, backlog_discount=1.0))
+    assert urls == [A, B, A, B]
+
+
+def test_the_flag_reaches_the_policy_and_a_negative_discount_is_refused(capsys):
+    argv = ["--policy", "kv_aware", "--worker-urls", "http://127.0.0.1:9"]
+    assert make_kv_aware(parse_args(argv + ["--kv-backlog-discount", "1"])).backlog_discount == 1.0
+    assert make_kv_aware(parse_args(argv)).backlog_discount == BACKLOG_DISCOUNT
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv + ["--kv-backlog-discount", "-1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "fleetserve router: error: --kv-backlog-discount must be >= 0"
