@@ -2,12 +2,13 @@
 the queued-prefill term weighs less, so a difference between deep queues stops moving requests off
 their cache.
 
-The states follow the router's debug log of docs/benchmarks.md ``routing-kv-rate-backlog-request``
-(a 2048-token system prompt per conversation, 384-token turns; 30% of the traffic straight to
-random workers, so the workers' queues differ by chance): the default moved a turn whose worker
-held 2048 of its 2432 tokens and had about 66k tokens queued to one with about 33k.  Hand-built
-states, no engines: the tree says what A holds, the queue and load counts are set as the router's
-bookkeeping would hold them.
+The states are modelled on a router debug log taken at the settings of docs/benchmarks.md
+``routing-kv-rate-backlog-request`` (a 2048-token system prompt per conversation, 384-token turns; 30%
+of the traffic straight to random workers, so the workers' queues differ by chance), where the full
+term moved a turn whose worker held 3264 of its 3680 tokens and had 67k tokens queued to one with
+33k: here a 2432-token turn with 2048 cached, 66k against 33k.  Hand-built states, no engines: the
+tree says what A holds, the queue and load counts are set as the router's bookkeeping would hold
+them (no queued requests of its own: the unit is the prompt).
 """
 
 import pytest
@@ -40,13 +41,13 @@ def route(pol) -> RouteKey:
     return key
 
 
-def test_the_weight_falls_with_the_backlog_in_units_of_the_prompt():
+def test_the_weight_falls_with_the_backlog_in_units_of_a_queued_request():
     assert BACKLOG_DISCOUNT == 1.0  # on since routing-kv-rate-backlog-request-2 (docs/router.md, the backlog discount)
     assert queue_weight_under(0.5, 0, 2432, 1.0) == 0.5  # an empty target somewhere: as set
     assert queue_weight_under(0.5, 2432, 2432, 1.0) == 0.25  # one prompt queued on every target: half
     assert queue_weight_under(0.5, 2432, 2432, 3.0) == 0.125
     assert queue_weight_under(0.5, 24_320, 2432, 1.0) == pytest.approx(0.5 / 11)
-    assert queue_weight_under(0.5, 1000, 0, 1.0) == 0.5  # an empty prompt: nothing to forfeit, as set
+    assert queue_weight_under(0.5, 1000, 0, 1.0) == 0.5  # no unit (an empty prompt, nothing queued): as set
 
 
 def test_a_deep_uneven_backlog_moves_the_turn_off_its_cache_without_the_discount():
@@ -89,3 +90,45 @@ def test_the_flag_reaches_the_policy_and_a_negative_discount_is_refused(capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "fleetserve router: error: --kv-backlog-discount must be >= 0"
+
+
+def test_a_short_prompt_is_not_held_behind_a_much_longer_queue():
+    """A user trial's state: 64 of a 100-token prompt cached on A, 66k queued there against 33k.
+    Counted in prompts (100 tokens) the backlog is 330 of them and the weight 0.0015: the request
+    would wait 33k more tokens to save 64.  Counted in the router's queued requests (22 of 1500
+    uncached tokens on average) the weight is 0.0217 and A's excess 16.5k costs 358 > 64: it moves."""
+    short = list(range(1000, 1064))
+    prompt = short + list(range(7000, 7036))
+    pol = KvAwarePolicy(speculative_ttl_s=0, backlog_discount=1.0)
+    pol.tree.insert(RouteKey("", short).tree_text(), A)
+    for url, q in ((A, 66_000), (B, 33_000)):
+        pol.queued_tokens[(url, None)] = q
+        pol.load_tokens[(url, None)] = 50_000
+    pol.queued_requests, pol.queued_sum = 22, 33_000
+    key = RouteKey("", prompt, 16)
+    wa, wb = Worker(A), Worker(B)
+    wa.load = wb.load = 20
+    pol.select([wa, wb], key)
+    assert key.target == (B, None) and key.cached == 0
+    # and the 2432-token turn with 2048 cached still stays at that unit: 384 + 0.0217 x 16500 = 742 < 2432
+    long_turn = state(66_000, 33_000, backlog_discount=1.0)
+    long_turn.queued_requests, long_turn.queued_sum = 22, 33_000
+    assert route(long_turn).target == (A, None)
+
+
+def test_the_unit_counts_follow_the_queued_requests_back_to_zero():
+    pol = KvAwarePolicy(speculative_ttl_s=0)
+    wa, wb = Worker(A), Worker(B)
+    keys = []
+    for i in range(4):  # four new prompts of 300 + i tokens: nothing cached, each queued in full
+        key = RouteKey("", list(range(10_000 * (i + 1), 10_000 * (i + 1) + 300 + i)), 16)
+        pol.select([wa, wb], key)
+        keys.append(key)
+    assert pol.queued_requests == 4 and pol.queued_sum == 300 + 301 + 302 + 303
+    pol.prefilled(keys[0])  # its prefill ended: no longer queued
+    assert pol.queued_requests == 3 and pol.queued_sum == 301 + 302 + 303
+    pol.prefilled(keys[0])  # twice: nothing more
+    assert pol.queued_requests == 3
+    for key in keys:
+        pol.release(key)
+    assert pol.queued_requests == 0 and pol.queued_sum == 0 and not pol.queued_tokens

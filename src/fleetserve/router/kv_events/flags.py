@@ -47,8 +47,9 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "x the least loaded target's (default 0.5; 0: off, the plain cost; docs/router.md, the balance band)")
     g.add_argument("--kv-backlog-discount", type=float, default=d.kv_backlog_discount,
                    help="kv_aware: when every target has queued prefill, divide --kv-queue-weight by (1 + this x "
-                        "the least target's queued tokens / the prompt's tokens), so that a deep, fleet-wide "
-                        "backlog does not move requests off their cache (0: off; docs/router.md)")
+                        "the smallest queued prefill of any target / the mean uncached tokens of a queued request), "
+                        "so that a deep, fleet-wide backlog does not move requests off their cache (0: off; "
+                        "docs/router.md, the backlog discount)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")

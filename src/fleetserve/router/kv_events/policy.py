@@ -57,8 +57,8 @@ With ``--kv-balance-band`` b > 0 (default 0.5; 0: off) the queued-prefill and lo
 deep, even backlog chance differences between the queues do not outweigh a hit.
 
 With ``--kv-backlog-discount`` d > 0 (default 1; 0: off) the queue weight is divided by
-``1 + d x backlog / prompt_tokens``, ``backlog`` being the least queued prefill over the targets
-(:func:`queue_weight_under`), so that when every target has a backlog (the fleet at or over its
+``1 + d x backlog / unit``, ``backlog`` being the least queued prefill over the targets and ``unit``
+the mean uncached size of this router's queued requests (:func:`queue_weight_under`), so that when every target has a backlog (the fleet at or over its
 capacity) a difference between the queues does not move a request off its cache.
 
 Lowest cost wins, unless the idle rule (:func:`idle_rule`, ``--kv-balance-abs-threshold`` /
@@ -356,28 +356,32 @@ def balance_floor(values: list[float], band: float) -> float:
     return (1.0 + band) * min(values)
 
 
-def queue_weight_under(queue_weight: float, backlog: float, prompt_tokens: int, discount: float) -> float:
+def queue_weight_under(queue_weight: float, backlog: float, unit: float, discount: float) -> float:
     """The queued-prefill term's weight (cost per queued token) when every target has at least
-    ``backlog`` uncached prompt tokens queued (the least queued prefill over the targets, tokens), for
-    a request of ``prompt_tokens``; ``discount`` is ``--kv-backlog-discount`` (> 0)::
+    ``backlog`` uncached prompt tokens queued (the least queued prefill over the targets: workers, or
+    DP ranks with ``--dp-aware``; tokens); ``unit``: the mean uncached prompt tokens of a queued
+    request (this router's queued requests, all targets; the request's own prompt tokens when it has
+    none queued); ``discount`` is ``--kv-backlog-discount`` (> 0)::
 
-        weight = queue_weight / (1 + discount x backlog / prompt_tokens)
+        weight = queue_weight / (1 + discount x backlog / unit)
 
     Leaving a target that holds ``h`` of the prompt's tokens for one with a queue shorter by ``d``
     saves this request ``d - h`` of waiting and adds ``h`` tokens of prefill the fleet would not
     otherwise do; those delay every request queued behind it there until that queue next drains.
     With a target idle or nearly so (``backlog`` 0) that is soon, and the term weighs as set; when
     every target has a backlog, the fleet is at or over its capacity, no queue drains soon, and the
-    added work is paid by many requests after this one: a difference between deep queues then
-    buys less than the hit costs.  Measured: over capacity with 30% of the traffic sent straight to
-    random workers, the full term moved 53 routed turns of 1200 requests off their cache (18 with
-    discount 1), and TTFT p90 was 1.13-1.26x cache_aware's in 3 runs against 0.73-1.02x with
-    discount 1 (docs/benchmarks.md ``routing-kv-rate-backlog-request``, ``-request-2``).  The form is ours; ``backlog`` counts in
-    units of this request's prompt because the hit it forfeits is a share of that prompt.
+    added work is paid by the requests after this one, about ``backlog / unit`` of them on every
+    target: a difference between deep queues then buys less than the hit costs.  The unit is the
+    queued requests' size rather than this request's own prompt, since it counts the requests that
+    pay: a 100-token prompt with 64 tokens cached is not held behind 33k more queued tokens to save
+    64 (a user trial's state).  Measured: over capacity with 30% of the traffic sent straight to
+    random workers, the full term moved 48-53 routed turns of 1200 requests off their cache, and
+    TTFT p90 was 1.13-1.26x cache_aware's in 3 runs; with this discount 8-12 moves and 0.84-0.85x in
+    2 (docs/benchmarks.md ``routing-kv-rate-backlog-notes``, ``-unit-notes``).  The form is ours.
     """
-    if prompt_tokens <= 0:
+    if unit <= 0:
         return queue_weight
-    return queue_weight / (1.0 + discount * backlog / prompt_tokens)
+    return queue_weight / (1.0 + discount * backlog / unit)
 
 
 class KvAwarePolicy:
@@ -415,6 +419,8 @@ class KvAwarePolicy:
         self.load_tokens: dict = {}  # (url, rank or None) -> in-flight tokens
         self.queued_tokens: dict = {}  # (url, rank or None) -> uncached prompt tokens whose prefill has not ended
         self.queued_keys: dict = {}  # (url, rank or None) -> the RouteKeys counted in queued_tokens
+        self.queued_requests = 0  # RouteKeys in queued_keys, all targets (the backlog discount's unit)
+        self.queued_sum = 0  # their uncached prompt tokens, all targets
         self.sorted_prompts = SortedPrompts()  # the same keys' prompts, all targets in one sorted list
         self.inflight: dict = {}  # (url, rank or None) -> in-flight requests
         self.held: dict = {}  # (url, rank or None) -> HeldPrefixes: its in-flight requests with cached tokens
@@ -677,7 +683,9 @@ class KvAwarePolicy:
             l_floor = (1.0 + band) * l_min
         floors = q_floor or l_floor
         if self.backlog_discount and queue_weight and q_min > 0 and len(rows) > 1:
-            queue_weight = queue_weight_under(queue_weight, q_min, prompt_tokens, self.backlog_discount)
+            n = self.queued_requests  # the backlog in requests of the size this router's queued ones have
+            queue_weight = queue_weight_under(queue_weight, q_min, self.queued_sum / n if n else prompt_tokens,
+                                              self.backlog_discount)
         best_cost = best_tie = None
         for uncached, queued, load, extra, reqs, lk, order, w, rank, branch, cached, reason, tenant, mine, seen in rows:
             if floors:
@@ -702,7 +710,9 @@ class KvAwarePolicy:
         if terms is not None and (q_floor or l_floor):
             terms.append(f"band {band}: queued counted above {q_floor:.0f}, load above {l_floor:.0f}")
         if terms is not None and self.backlog_discount and queue_weight != prefill_weight * self.queue_weight:
-            terms.append(f"backlog {q_min:.0f} on every target: queue weight {queue_weight:.3f}")
+            n = self.queued_requests
+            terms.append(f"backlog {q_min:.0f} on every target, unit {self.queued_sum / n if n else prompt_tokens:.0f}"
+                         f": queue weight {queue_weight:.3f} (counted above the band's floor)")
         w, rank, branch, cached, reason = best
         if (idle_best is not None and idle_best[1] != best_tie[2]
                 and idle_rule(best_wait, idle_best[0], self.balance_abs_threshold, self.balance_rel_threshold)):
@@ -817,6 +827,8 @@ class KvAwarePolicy:
             held.add(key)
         if q > 0:
             self.queued_tokens[lk] = self.queued_tokens.get(lk, 0) + q
+            self.queued_requests += 1
+            self.queued_sum += q
             keys = self.queued_keys.get(lk)
             if keys is None:
                 keys = self.queued_keys[lk] = QueuedKeys()
@@ -845,6 +857,8 @@ class KvAwarePolicy:
             return False
         lk, _, sent = key.charged
         q, key.queued = key.queued, 0
+        self.queued_requests -= 1
+        self.queued_sum -= q
         left = self.queued_tokens.get(lk, 0) - q
         if left > 0:
             self.queued_tokens[lk] = left
