@@ -280,7 +280,7 @@ def test_a_bad_host_is_launchs_own_flag_not_the_routers(monkeypatch, capsys, hos
     (["--tokenizer", "bpe"], "--tokenizer: invalid choice: 'bpe' "),
     (["--max-total-tokens", "0"], "--max-total-tokens must be > 0, got 0"),
     (["--page-size", "3"], "--page-size (3) must divide --chunked-prefill-size "),
-    (["--max-total-tokns", "9"], "unrecognized sim-worker flags: --max-total-tokns 9"),
+    (["--max-total-tokns", "9"], "unrecognized sim-worker flags: --max-total-tokns 9 (router flags go in --router-args \"...\")"),
 ])
 def test_sim_instance_flags_are_checked_before_any_instance_starts(monkeypatch, capsys, flags, line):
     """--worker-kind sim used to start every instance with a bad flag and let each one die; now

@@ -124,7 +124,7 @@ def test_bad_instance_flags_are_one_line(monkeypatch):
     # one prefix: launch prints "fleetserve launch: " before it (no "fleetserve serve: error: " inside)
     assert note is None and bad == "--tp-size/--tp: invalid int value: 'two' (a fleetserve serve flag)"
     assert memory.check_fleet_memory(1, ["--max-total-tokns", "4096"], available=64 * GIB) == (
-        "unrecognized fleetserve serve flags: --max-total-tokns 4096", None)
+        "unrecognized fleetserve serve flags: --max-total-tokns 4096 (router flags go in --router-args \"...\")", None)
     assert memory.check_fleet_memory(1, ["--dtype", "fp8"], available=None)[0] == (
         "--dtype: invalid choice: 'fp8' (choose from 'auto', 'bfloat16', 'float16', 'float32') (a fleetserve serve flag)")
 

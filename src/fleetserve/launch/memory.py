@@ -32,6 +32,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+# launch hands unknown flags to the instances; a router flag given there lands in this message (a user
+# trial gave --kv-backlog-discount to launch itself)
+ROUTER_HINT = " (router flags go in --router-args \"...\")"
+
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -153,7 +157,7 @@ def check_fleet_memory(workers: int, instance_args: list[str], available: int | 
     except argparse.ArgumentError as e:  # argparse's words after the flag's name; launch prints its own prefix
         return f"{e.argument_name or 'fleetserve serve flags'}: {e.message} (a fleetserve serve flag)", None
     if unknown:  # a typo every instance would refuse after its start
-        return f"unrecognized fleetserve serve flags: {' '.join(unknown)}", None
+        return f"unrecognized fleetserve serve flags: {' '.join(unknown)}{ROUTER_HINT}", None
     try:
         server_args = ServerArgs.from_cli_args(ns)
     except ValueError as e:
@@ -190,7 +194,7 @@ def check_sim_flags(instance_args: list[str]) -> str | None:
     except argparse.ArgumentError as e:  # argparse's words after the flag's name; launch prints its own prefix
         return f"{e.argument_name or 'sim-worker flags'}: {e.message} (a sim-worker flag)"
     if unknown:
-        return f"unrecognized sim-worker flags: {' '.join(unknown)}"
+        return f"unrecognized sim-worker flags: {' '.join(unknown)}{ROUTER_HINT}"
     return sim_args.check_args(ns)
 
 
