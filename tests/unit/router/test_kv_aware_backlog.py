@@ -18,10 +18,9 @@ from fleetserve.router.kv_events.flags import make_kv_aware
 from fleetserve.router.kv_events.policy import BACKLOG_DISCOUNT, KvAwarePolicy, RouteKey, queue_weight_under
 from fleetserve.router.workers import Worker
 
+from .test_kv_aware_band import SYSTEM, route  # a 2432-token turn whose 2048-token system prompt A holds
 from .test_kv_aware_queue import A, B, route_burst
 
-SYSTEM = list(range(1000, 3048))  # conversation 0's 2048-token system prompt, cached on A
-PROMPT = SYSTEM + list(range(5000, 5384))  # a 384-token turn after it: 2432 tokens
 
 
 def state(queued_a: int, queued_b: int, load: int = 50_000, **kw) -> KvAwarePolicy:
@@ -31,14 +30,6 @@ def state(queued_a: int, queued_b: int, load: int = 50_000, **kw) -> KvAwarePoli
         pol.queued_tokens[(url, None)] = q
         pol.load_tokens[(url, None)] = load  # alike: only the queues differ
     return pol
-
-
-def route(pol) -> RouteKey:
-    key = RouteKey("", PROMPT, 16)
-    wa, wb = Worker(A), Worker(B)
-    wa.load = wb.load = 20
-    pol.select([wa, wb], key)
-    return key
 
 
 def test_the_weight_falls_with_the_backlog_in_units_of_a_queued_request():
@@ -105,10 +96,7 @@ def test_a_short_prompt_is_not_held_behind_a_much_longer_queue():
         pol.queued_tokens[(url, None)] = q
         pol.load_tokens[(url, None)] = 50_000
     pol.queued_requests, pol.queued_sum = 22, 33_000
-    key = RouteKey("", prompt, 16)
-    wa, wb = Worker(A), Worker(B)
-    wa.load = wb.load = 20
-    pol.select([wa, wb], key)
+    key = route(pol, prompt)
     assert key.target == (B, None) and key.cached == 0
     # and the 2432-token turn with 2048 cached still stays at that unit: 384 + 0.0217 x 16500 = 742 < 2432
     long_turn = state(66_000, 33_000, backlog_discount=1.0)

@@ -30,8 +30,9 @@ def state(queued_a: int, queued_b: int, **kw) -> KvAwarePolicy:
     return pol
 
 
-def route(pol) -> RouteKey:
-    key = RouteKey("", PROMPT, 16)
+def route(pol, prompt: list[int] = PROMPT) -> RouteKey:
+    """Route ``prompt`` (16 decode tokens) over A and B, each with 30 requests in flight."""
+    key = RouteKey("", prompt, 16)
     wa, wb = Worker(A), Worker(B)
     wa.load = wb.load = 30
     pol.select([wa, wb], key)

@@ -58,8 +58,8 @@ deep, even backlog chance differences between the queues do not outweigh a hit.
 
 With ``--kv-backlog-discount`` d > 0 (default 1; 0: off) the queue weight is divided by
 ``1 + d x backlog / unit``, ``backlog`` being the least queued prefill over the targets and ``unit``
-the mean uncached size of this router's queued requests (:func:`queue_weight_under`), so that when every target has a backlog (the fleet at or over its
-capacity) a difference between the queues does not move a request off its cache.
+the mean uncached size of this router's queued requests (:func:`queue_weight_under`), so that
+when every target has a backlog (the fleet at or over its capacity) a difference between the queues does not move a request off its cache.
 
 Lowest cost wins, unless the idle rule (:func:`idle_rule`, ``--kv-balance-abs-threshold`` /
 ``--kv-balance-rel-threshold``) moves the request to an idle target on which it would wait much
@@ -682,10 +682,11 @@ class KvAwarePolicy:
             q_floor = (1.0 + band) * q_min
             l_floor = (1.0 + band) * l_min
         floors = q_floor or l_floor
+        unit = None  # the backlog discount's unit, when it applies: the size of this router's queued requests
         if self.backlog_discount and queue_weight and q_min > 0 and len(rows) > 1:
-            n = self.queued_requests  # the backlog in requests of the size this router's queued ones have
-            queue_weight = queue_weight_under(queue_weight, q_min, self.queued_sum / n if n else prompt_tokens,
-                                              self.backlog_discount)
+            n = self.queued_requests
+            unit = self.queued_sum / n if n else prompt_tokens
+            queue_weight = queue_weight_under(queue_weight, q_min, unit, self.backlog_discount)
         best_cost = best_tie = None
         for uncached, queued, load, extra, reqs, lk, order, w, rank, branch, cached, reason, tenant, mine, seen in rows:
             if floors:
@@ -709,10 +710,9 @@ class KvAwarePolicy:
                     best_wait = wait
         if terms is not None and (q_floor or l_floor):
             terms.append(f"band {band}: queued counted above {q_floor:.0f}, load above {l_floor:.0f}")
-        if terms is not None and self.backlog_discount and queue_weight != prefill_weight * self.queue_weight:
-            n = self.queued_requests
-            terms.append(f"backlog {q_min:.0f} on every target, unit {self.queued_sum / n if n else prompt_tokens:.0f}"
-                         f": queue weight {queue_weight:.3f} (counted above the band's floor)")
+        if terms is not None and unit is not None:
+            terms.append(f"backlog {q_min:.0f} on every target, unit {unit:.0f}: queue weight {queue_weight:.3f} "
+                         "(counted above the band's floor)")
         w, rank, branch, cached, reason = best
         if (idle_best is not None and idle_best[1] != best_tie[2]
                 and idle_rule(best_wait, idle_best[0], self.balance_abs_threshold, self.balance_rel_threshold)):
