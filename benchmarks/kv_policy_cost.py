@@ -18,6 +18,12 @@ prefixes off the engine's figure (:mod:`fleetserve.router.kv_events.held`): that
 first pass warms the tokenizer's caches), per policy, policies interleaved.  ``--profile``: a
 cProfile of one more kv_aware pass, top 25 by own time.  The printed ``decisions`` digest
 (every chosen worker and predicted cached-token count) tells whether two source trees decide alike.
+
+``--callgrind``: instead, one warm pass and then ``--passes`` kv_aware passes inside one
+``functools.reduce`` call, so that ``valgrind --tool=callgrind --toggle-collect=functools_reduce``
+counts the instructions of those passes alone (deterministic where timings on a shared machine are
+not; ``benchmarks/kv_policy_instructions.sh`` runs it and divides by the requests).  The engine
+loads then never go stale (a valgrind run is ~50x slower than the loads' interval assumes).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import hashlib
 import collections
+import functools
+import hashlib
 import json
 import pstats
 import time
@@ -86,6 +93,24 @@ async def one_pass(policy, bodies: list[bytes], workers: list, inflight: int, tr
     return (time.process_time() - t0) / len(bodies) * 1e6
 
 
+def _drive(coro):
+    """Run a pass to its end without an event loop (prepare only awaits a thread for long prompts)."""
+    try:
+        coro.send(None)
+    except StopIteration as e:
+        return e.value
+    raise RuntimeError("the pass waited on something: use bodies short enough to tokenize inline")
+
+
+def callgrind_passes(kv, bodies: list[bytes], workers: list, args) -> None:
+    """One warm pass, then ``args.passes`` inside ``functools.reduce`` (the callgrind toggle)."""
+    def one(_acc, _i):
+        return _drive(one_pass(kv, bodies, workers, args.inflight, None, args.engine_tokens, args.prefill_after))
+
+    one(0, 0)
+    functools.reduce(one, range(args.passes), 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("bodies")
@@ -104,13 +129,18 @@ def main() -> None:
                          "whose defaults differ)")
     ap.add_argument("--loads-interval", type=float, default=1.0,
                     help="kv_aware reads engine loads as with --kv-loads-interval-secs (0: none)")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="one warm pass, then --passes kv_aware passes inside functools.reduce (see the docstring)")
     args = ap.parse_args()
     bodies = [line.strip().encode() for line in open(args.bodies) if line.strip()]
     workers = [Worker(f"http://127.0.0.1:{30000 + i}") for i in range(args.workers)]
     tok = RouterTokenizer(tokenizer_dir())
     kv = KvAwarePolicy(tokenizer=tok, **({} if args.balance_band is None else {"balance_band": args.balance_band}))
     if args.loads_interval > 0:  # as `fleetserve router` does by default (--kv-loads-interval-secs 1)
-        kv.engine_loads = EngineLoads(args.loads_interval)
+        kv.engine_loads = EngineLoads(1e9 if args.callgrind else args.loads_interval)
+    if args.callgrind:
+        callgrind_passes(kv, bodies, workers, args)
+        return
     policies = {"cache_aware": make_policy("cache_aware"), "kv_aware": kv}
     best = {name: float("inf") for name in policies}
     traces: dict = {name: [] for name in policies}

@@ -114,6 +114,46 @@ def test_the_kept_union_equals_a_recount_after_every_change(steps, page):
         assert h.waiting_tokens == sum(w.cached for w in h.waiting)
 
 
+lazy_ops = st.lists(st.tuples(st.sampled_from(["add_waiting", "add_running", "prefilled", "remove", "drop", "ask"]),
+                              st.integers(0, 7), ids, st.integers(1, 12)), min_size=1, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lazy_ops, st.sampled_from([1, 2, 4]))
+def test_the_union_built_late_equals_the_one_kept_from_the_start(steps, page):
+    """The sorted order is built only when first asked for ("ask", or a removal whose freed tokens are
+    needed: "remove"); removals that need no answer ("drop": freed=False) before then only forget the
+    key.  Whenever it is asked, and at the end, the union equals a recount over the running keys."""
+    h = HeldPrefixes(page)
+    keys: dict = {}
+    for op, slot, toks, c in steps:
+        k = keys.get(slot)
+        if op.startswith("add"):
+            if k is not None:
+                continue
+            k = keys[slot] = key([1, 2] + toks, min(c, len(toks) + 2))
+            k.queued = 1 if op == "add_waiting" else 0
+            k.charged = (None, 0, 0.0)
+            h.add(k)
+        elif op == "ask":
+            assert h.running_union() == union_of_prefixes(list(h.running), page)
+        elif k is None:
+            continue
+        elif op == "prefilled":
+            h.prefilled(k)
+        else:
+            running = k in h.running
+            before = union_of_prefixes(list(h.running), page)
+            freed = h.remove(k, op == "remove")
+            del keys[slot]
+            if op == "remove":
+                assert freed == (before - union_of_prefixes(list(h.running), page) if running else k.cached)
+            else:
+                assert freed == (0 if running else k.cached)
+    assert h.running_union() == union_of_prefixes(list(h.running), page)
+    assert h.waiting_tokens == sum(w.cached for w in h.waiting)
+
+
 def test_ids_beyond_one_character_and_keys_without_ids_are_kept_apart():
     big = [0x110000 + i for i in range(4)]  # no one-character text: compared as lists
     a, b = key(big + [1, 2], 6), key(big + [3], 5)

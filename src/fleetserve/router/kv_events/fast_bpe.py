@@ -251,23 +251,25 @@ class ByteLevelBPE:
         characters), when given.
         """
         blocks = self.blocks
+        get, find = blocks.get, text.find
         n = len(text)
-        node = start = 0
+        node = start = hits = 0
         while start < n:
-            cut = text.find(" ", start + BLOCK_CHARS)
+            cut = find(" ", start + BLOCK_CHARS)
             while cut > 0 and text[cut - 1] in _WS_CHARS:
-                cut = text.find(" ", cut + 1)
+                cut = find(" ", cut + 1)
             if cut < 0:
                 cut = n
             block = text[start:cut]
-            hit = blocks.get((node, block)) if node >= 0 else None
+            hit = get((node, block)) if node >= 0 else None
             if hit is not None:
                 node, ids, piece = hit
-                self.block_hits += 1
+                hits += 1
             else:
                 self.block_misses += 1
                 ids = []
                 if not (self._pieces(block, ids) if _no_segments(block) else self._segments(block, ids)):
+                    self.block_hits += hits
                     return False
                 piece = _as_chars(ids)
                 if node >= 0 and cut - start <= _BLOCK_MAX_CHARS:
@@ -282,6 +284,7 @@ class ByteLevelBPE:
             if chars is not None:
                 chars.append(piece)
             start = cut
+        self.block_hits += hits
         return True
 
     def _segments(self, text: str, out: list[int]) -> bool:

@@ -80,23 +80,31 @@ class HeldPrefixes:
     """One target's in-flight requests with cached tokens, split as the engine counts them.
 
     ``waiting``: the keys whose prefill has not ended, in the order sent, and ``waiting_tokens``
-    their summed ``cached``; ``running``: the others, with the size of the union of their cached
-    prefixes (:func:`union_of_prefixes`) kept up to date as keys come and go: their truncated prefixes
-    stay sorted, and the union is their summed length less the (page-rounded) prefix each shares with
-    the one before it, so a key added or removed changes only the pairs around its place: O(log n)
-    slice comparisons and one list insert or delete per change, where recomputing the union costs
-    O(n log n) (at 120 running requests on 4 targets, about 75 µs more CPU per routing decision;
-    docs/benchmarks.md ``router-kv-held-incremental``).
+    their summed ``cached``; ``running``: the others (key -> its ``cached``), with the size of the
+    union of their cached prefixes (:func:`union_of_prefixes`) kept up to date as keys come and go:
+    their truncated prefixes stay sorted, and the union is their summed length less the
+    (page-rounded) prefix each shares with the one before it, so a key added or removed changes only
+    the pairs around its place: O(log n) slice comparisons and one list insert or delete per change,
+    where recomputing the union costs O(n log n) (at 120 running requests on 4 targets, about 75 µs
+    more CPU per routing decision; docs/benchmarks.md ``router-kv-held-incremental``).
+
+    The sorted order is built only when the union is first asked for (:meth:`running_union`,
+    :meth:`counted`, or :meth:`remove` of a running key with ``freed``): the policy asks only for a
+    target whose engine reports ``/v1/loads`` figures, so a target without them (a vLLM worker, the
+    overhead stick's fake workers) keeps two dicts and a sum per request and sorts nothing.  From then
+    on it is kept up to date key by key.
     """
 
-    __slots__ = ("waiting", "waiting_tokens", "running", "page", "_sum", "_shared", "_texts", "_lists")
+    __slots__ = ("waiting", "waiting_tokens", "running", "page", "_sum", "_shared", "_texts", "_lists",
+                 "_indexed")
 
     def __init__(self, page: int = 1) -> None:
         self.waiting: dict = {}  # key -> None, in the order sent
         self.waiting_tokens = 0
-        self.running: dict = {}  # key -> (cached tokens, its sorted entry or None: no ids) when it was added
+        self.running: dict = {}  # key -> its cached tokens when it started running
         self.page = page
         self._sum = 0  # summed cached tokens of the running keys
+        self._indexed = False  # _texts, _lists and _shared are built (_index) and kept up to date
         self._shared = 0  # summed page-rounded prefixes of neighbours in _texts and in _lists
         self._texts: list = []  # the running keys' cached prefixes as one-character-per-id texts, sorted
         self._lists: list = []  # those whose ids do not fit one character each, as lists, sorted (rare)
@@ -125,11 +133,18 @@ class HeldPrefixes:
         if self.waiting.pop(key, 0) is None:
             self.waiting_tokens -= key.cached
             return key.cached
-        held = self.running.pop(key, None)
-        if held is None:
+        c = self.running.get(key)
+        if c is None:
             return 0
-        c, entry = held
+        if not self._indexed:
+            if not freed:
+                del self.running[key]
+                self._sum -= c
+                return 0
+            self._index()
+        del self.running[key]
         self._sum -= c
+        entry = _entry(key, c)
         if entry is None:
             return c if freed else 0
         group = self._texts if isinstance(entry, str) else self._lists
@@ -144,12 +159,12 @@ class HeldPrefixes:
 
     def _run(self, key) -> None:
         c = key.cached
-        entry = None
-        if key.tokens:
-            t = key.one_char_text()
-            entry = key.tokens[:c] if t is None else t[1:c + 1]  # after the marker: one character per id
-        self.running[key] = (c, entry)
+        self.running[key] = c
         self._sum += c
+        if self._indexed:
+            self._insert(_entry(key, c))
+
+    def _insert(self, entry) -> None:
         if entry is None:
             return
         group = self._texts if isinstance(entry, str) else self._lists
@@ -160,8 +175,25 @@ class HeldPrefixes:
         self._shared += _shared(before, entry, page) + _shared(entry, after, page) - _shared(before, after, page)
         group.insert(i, entry)
 
+    def _index(self) -> None:
+        """Build the sorted prefixes of the running keys and their shared sum (O(n log n) once)."""
+        texts, lists = [], []
+        for k, c in self.running.items():
+            entry = _entry(k, c)
+            if entry is not None:
+                (texts if isinstance(entry, str) else lists).append(entry)
+        shared = 0
+        page = self.page
+        for group in (texts, lists):
+            group.sort()
+            for i in range(1, len(group)):
+                shared += _shared(group[i - 1], group[i], page)
+        self._texts, self._lists, self._shared, self._indexed = texts, lists, shared, True
+
     def running_union(self) -> int:
         """Tokens in the union of the running keys' cached prefixes (:func:`union_of_prefixes`)."""
+        if not self._indexed:
+            self._index()
         return self._sum - self._shared
 
     def counted(self, counts_from: float | None) -> int:
@@ -175,4 +207,13 @@ class HeldPrefixes:
             if k.charged[2] < counts_from:
                 break
             total -= k.cached
-        return total + self._sum - self._shared
+        return total + self.running_union()
+
+
+def _entry(key, c: int):
+    """``key``'s first ``c`` ids as the running order keeps them: its ids text after the marker (one
+    character per id), or a list where an id does not fit one character; None without ids."""
+    if not key.tokens:
+        return None
+    t = key.one_char_text()
+    return key.tokens[:c] if t is None else t[1:c + 1]

@@ -36,9 +36,19 @@ def agree_from(a, b, lo: int, hi: int) -> int:
     is compared: one slice comparison, then a binary search (O(log(hi - lo)) slices) if they differ."""
     if lo < hi and a[lo] != b[lo]:  # they part at once (e.g. prompts of other prefix groups): no slice
         return lo
+    if type(a) is str:  # b's part is sliced, a's compared in place (str.startswith at an offset)
+        if a.startswith(b[lo:hi], lo):
+            return hi
+        while hi - lo > 1:  # a[:lo] agree, a[:hi] do not
+            mid = (lo + hi) // 2
+            if a.startswith(b[lo:mid], lo):
+                lo = mid
+            else:
+                hi = mid
+        return lo
     if a[lo:hi] == b[lo:hi]:
         return hi
-    while hi - lo > 1:  # a[:lo] agree, a[:hi] do not
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:
             lo = mid
@@ -73,14 +83,14 @@ class QueuedKeys:
     def append(self, key) -> None:
         """Add ``key`` last (it must not be in already)."""
         self.keys[key] = None
-        if key.tokens and one_char_per_id(key) is None:
+        if key.tokens and key.one_char_text() is None:
             self.odd += 1
 
     def remove(self, key) -> bool:
         """Take ``key`` (this very object) out; False if it was not in."""
         if self.keys.pop(key, 0) is not None:
             return False
-        if key.tokens and one_char_per_id(key) is None:
+        if key.tokens and key.one_char_text() is None:
             self.odd -= 1
         return True
 
@@ -111,7 +121,7 @@ class SortedPrompts:
     def add(self, key, target) -> bool:
         """Add ``key``'s prompt, queued on ``target``; False (nothing added) without a one-character-per-id text.
         ``key.cached`` (the start of its uncached part) is read now and must not change until it is removed."""
-        text = one_char_per_id(key)
+        text = key.one_char_text()
         if text is None:
             return False
         texts, lcps = self.texts, self.lcps
@@ -148,7 +158,7 @@ class SortedPrompts:
 
     def remove(self, key) -> bool:
         """Take ``key``'s prompt out; False if it was not in."""
-        text = one_char_per_id(key)
+        text = key.one_char_text()
         if text is None:
             return False
         texts = self.texts

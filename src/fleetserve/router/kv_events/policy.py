@@ -103,7 +103,8 @@ from .tokenizer_check import TOKENIZER, TokenizerCheck
 log = logging.getLogger("fleetserve.router")
 
 SESSION = "session"  # the branch of a request --sticky-sessions sent (route_header.py)
-_NONE: dict = {}  # no index match (never written)
+_NONE: dict = {}  # no index match, no queued keys (never written)
+_PER_CHAR = 1 / CHARS_PER_TOKEN  # tokens per character of a text prompt matched in the tree
 _RANK_0 = (0,)  # the ranks of a worker whose dp_size is not known
 _NOTHING_SHARED = (0, ())  # a target none of whose queued prompts shares a token id with the request
 TEXT = "text"  # the fallback reason of a request without token ids
@@ -543,8 +544,6 @@ class KvAwarePolicy:
             self.release(key)  # a retry: the failed attempt's tokens are no longer in flight
         tokens = key.tokens
         per_tenant = self.tree.match_per_tenant(key.tree_text()) if (tokens or key.text) else {}
-        tree_unit = 1 if tokens else 1 / CHARS_PER_TOKEN
-        tree_off = 1 if tokens else 0
         ids1 = one_char_per_id(key)  # for _pending_prefix / _shared_queued
         subs = self.subs
         if self.dp_aware:  # one target per DP rank; only the rank the client named, when it named one
@@ -562,37 +561,33 @@ class KvAwarePolicy:
             matched = index.match(tokens[:-1], [(w.url, r) for w in workers for r in self.ranks(w.url)])
         else:
             matched = _NONE
-        cap = max(key.prompt_tokens - 1, 0)
-        best = None
+        prompt_tokens = key.prompt_tokens
+        cap = prompt_tokens - 1 if prompt_tokens > 0 else 0
         engine_loads = self._engine_loads
-        now = time.monotonic() if engine_loads is not None else 0.0
-        load_tokens, inflight, queued_tokens = self.load_tokens, self.inflight, self.queued_tokens
-        held_of = self.held
-        prefill_weight, load_weight, prompt_tokens = self.prefill_weight, self.load_weight, key.prompt_tokens
-        decode_tokens = key.decode_tokens
+        # the engines' figures (loads.py), read only where a worker has a snapshot at all
+        snapshots = engine_loads.snapshots if engine_loads is not None else None
+        now = time.monotonic() if snapshots else 0.0
+        load_tokens, queued_tokens = self.load_tokens, self.queued_tokens
+        prefill_weight, load_weight = self.prefill_weight, self.load_weight
         overflow_weight = prefill_weight * self.overflow_weight
         queue_weight = prefill_weight * self.queue_weight
         check = self.tokenizer_check
         suspects = check.disagreed  # no worker has disagreed yet: none can be mismatched
-        chosen_at = self.chosen_at
-        queued_keys_of = self.queued_keys
-        block_size_of = self._block_size
+        queued_keys_of = self.queued_keys if tokens else _NONE  # a text prompt shares no queued ids
         block_sizes = index.block_size  # empty until a first event: every page size is 1 then
-        terms = [] if log.isEnabledFor(logging.DEBUG) else None  # each target's cost terms, for the debug log
-        idle_on = self.balance_rel_threshold > 0 and len(targets) > 1
-        idle_best = None  # (wait, order, w, rank, branch, cached, reason) of the idle target that waits least
-        best_wait = 0.0
-        band = self.balance_band
-        rows = []  # each target's cost inputs; scored once all are known (the band needs their lowest)
         firsts = []  # each target's cached_tokens before its queued prompts are looked at, and what it needs then
-        q_min = l_min = math.inf  # the least queued prefill and load over the targets (the band's floors)
-        stop = None  # the least of those among the targets the sorted scan covers
+        stop = None  # the least cached_tokens among the targets the sorted scan covers
         for w, rank, ranks in targets:
             url = w.url
             tenant = url if rank is None else f"{url}#{rank}"
-            tree_tokens = per_tenant.get(tenant, 0) - tree_off
-            tree_tokens = (tree_tokens if tree_tokens > 0 else 0) * tree_unit
-            reason = TEXT if not tokens else TOKENIZER if suspects and check.mismatched(url) else None
+            if tokens:  # the tree holds the ids text, whose first character is a marker (routing_text.ids_text)
+                tree_tokens = per_tenant.get(tenant, 0) - 1
+                if tree_tokens < 0:
+                    tree_tokens = 0
+                reason = TOKENIZER if suspects and check.mismatched(url) else None
+            else:  # the prompt's text, at CHARS_PER_TOKEN characters a token
+                tree_tokens = int(per_tenant.get(tenant, 0) * _PER_CHAR)
+                reason = TEXT
             wsubs = subs.get(url) if subs else None
             if reason is not None or not wsubs:  # no usable KV-event stream: the approximate tree
                 cached, branch = tree_tokens, FALLBACK
@@ -608,14 +603,10 @@ class KvAwarePolicy:
                         c = ev if state == EXACT else max(ev, tree_tokens)
                     if c > cached:
                         cached, branch = c, state
-            if type(cached) is not int:  # characters / 4 on a text prompt
-                cached = int(cached)
             if cached > cap:
                 cached = cap
             lk = (url, rank)
-            pending_keys = queued_keys_of.get(lk) if tokens else None  # its QueuedKeys, None when it has none
-            if pending_keys is not None and not pending_keys.keys:
-                pending_keys = None
+            pending_keys = queued_keys_of.get(lk)  # its QueuedKeys (never empty), None when it has none
             covered = pending_keys is not None and ids1 is not None and not pending_keys.odd  # by the sorted scan
             if covered and (stop is None or cached < stop):
                 stop = cached
@@ -628,17 +619,22 @@ class KvAwarePolicy:
         if stop is not None:
             sorted_prompts = self.sorted_prompts
             if sorted_prompts.texts:
-                scanned = sorted_prompts.scan(ids1, min(stop, sorted_prompts.cached[0]))
+                lowest = sorted_prompts.cached[0]
+                scanned = sorted_prompts.scan(ids1, stop if stop < lowest else lowest)
+        rows = []  # each target's cost inputs; scored once all are known (the band needs their lowest)
+        q_min = l_min = math.inf  # the least queued prefill and load over the targets (the band's floors)
+        inflight = self.inflight
         for order, (w, rank, url, tenant, reason, branch, cached, lk, pending_keys, covered) in enumerate(firsts):
-            agreed = None  # (longest shared prefix, pairs) from the one sorted scan, when it covers this target
-            if covered and scanned is not None:
-                agreed = scanned.get(lk, _NOTHING_SHARED)
+            # (longest shared prefix, pairs) from the one sorted scan, when it covers this target
+            agreed = scanned.get(lk, _NOTHING_SHARED) if covered and scanned is not None else None
             if pending_keys is not None and cached < cap:  # a prefix still in prefill there: no event yet, but it will be held
                 if agreed is not None:
-                    pending = min(cap, len(tokens), agreed[0])
+                    pending = agreed[0]
+                    if pending > cap:
+                        pending = cap
                 else:
                     pending = _pending_prefix(tokens, cap, pending_keys, ids1)
-                bs = block_size_of(url, rank) if block_sizes else 1
+                bs = self._block_size(url, rank) if block_sizes else 1
                 if bs > 1:
                     pending -= pending % bs  # the engine shares whole pages only
                 if pending > cached:
@@ -646,10 +642,10 @@ class KvAwarePolicy:
             load = mine = load_tokens.get(lk, 0)
             seen = None
             queued = queued_tokens.get(lk, 0) if queue_weight else 0
-            if engine_loads is not None:  # the engine's own figures, while fresh (loads.py)
+            if snapshots and url in snapshots:  # the engine's own figures, while fresh (loads.py)
                 seen, waiting = engine_loads.figures(url, rank, now)
                 if seen is not None and seen > load:
-                    held = held_of.get(lk)
+                    held = self.held.get(lk)
                     if held is not None:  # in the router's units: without the cached prefixes of its requests it counts
                         seen = max(0, seen - _held_cached(held, engine_loads.counts_from(url)))
                     if seen > load:
@@ -666,10 +662,10 @@ class KvAwarePolicy:
                 queued = queued - shared if queued > shared else 0
             uncached = prompt_tokens - cached
             extra = 0.0
-            if engine_loads is not None and overflow_weight:  # KV that does not fit waits: see _overflow
+            if overflow_weight and engine_loads is not None:  # KV that does not fit waits: see _overflow
                 pool = engine_loads.capacity(url, rank)
                 if pool is not None:
-                    extra = overflow_weight * _overflow(load, uncached + decode_tokens, pool)
+                    extra = overflow_weight * _overflow(load, uncached + key.decode_tokens, pool)
             reqs = inflight.get(lk, 0) if rank is not None else w.load
             if queued < q_min:
                 q_min = queued
@@ -677,6 +673,13 @@ class KvAwarePolicy:
                 l_min = load
             rows.append((uncached, queued, load, extra, reqs, lk, order, w, rank, branch, cached, reason, tenant,
                          mine, seen))
+        terms = [] if log.isEnabledFor(logging.DEBUG) else None  # each target's cost terms, for the debug log
+        idle_on = self.balance_rel_threshold > 0 and len(rows) > 1
+        idle_best = None  # (wait, order, w, rank, branch, cached, reason) of the idle target that waits least
+        best = None
+        best_wait = 0.0
+        chosen_at = self.chosen_at
+        band = self.balance_band
         q_floor = l_floor = 0.0
         if band and len(rows) > 1:  # the balance terms count only the excess over the band (balance_floor)
             q_floor = (1.0 + band) * q_min
@@ -690,8 +693,9 @@ class KvAwarePolicy:
         best_cost = best_tie = None
         for uncached, queued, load, extra, reqs, lk, order, w, rank, branch, cached, reason, tenant, mine, seen in rows:
             if floors:
-                cost = (prefill_weight * uncached + queue_weight * max(0.0, queued - q_floor)
-                        + load_weight * max(0.0, load - l_floor) + extra)
+                over_q, over_l = queued - q_floor, load - l_floor
+                cost = (prefill_weight * uncached + queue_weight * (over_q if over_q > 0.0 else 0.0)
+                        + load_weight * (over_l if over_l > 0.0 else 0.0) + extra)
             else:  # the same figure: queued and load are never negative
                 cost = prefill_weight * uncached + queue_weight * queued + load_weight * load + extra
             if terms is not None:
@@ -722,7 +726,7 @@ class KvAwarePolicy:
             self.idle_moves += 1
             _, _, w, rank, branch, cached, reason = idle_best
         if terms is not None:
-            log.debug("kv_aware cost: prompt=%d decode=%d | %s", prompt_tokens, decode_tokens, " | ".join(terms))
+            log.debug("kv_aware cost: prompt=%d decode=%d | %s", prompt_tokens, key.decode_tokens, " | ".join(terms))
         key.target, key.rank, key.branch, key.cached = (w.url, rank), rank, branch, cached
         key.reason = reason
         self._record(w.url, rank, key)
@@ -903,14 +907,15 @@ class KvAwarePolicy:
         engine_loads = self._engine_loads
         shared = 0  # its cached tokens other running requests there still hold: the engine frees them not
         held = self.held.get(lk) if key.cached else None
+        snapshot = engine_loads is not None and lk[0] in engine_loads.snapshots  # else nothing counts it
         if held is not None:  # what the engine frees of its cached prefix, when a snapshot counts it
-            counted = engine_loads is not None and engine_loads.counts(lk[0], sent)
+            counted = snapshot and engine_loads.counts(lk[0], sent)
             freed = held.remove(key, counted)
             if counted and freed < key.cached:
                 shared = key.cached - freed
             if not held:
                 del self.held[lk]
-        if engine_loads is not None:  # a snapshot that still counts it must not count it twice
+        if snapshot:  # a snapshot that still counts it must not count it twice
             engine_loads.ended(lk[0], lk[1], sent, key.prompt_tokens - shared)
         left = self.load_tokens.get(lk, 0) - n
         if left > 0:
