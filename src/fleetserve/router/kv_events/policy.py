@@ -571,8 +571,7 @@ class KvAwarePolicy:
         prefill_weight, load_weight = self.prefill_weight, self.load_weight
         overflow_weight = prefill_weight * self.overflow_weight
         queue_weight = prefill_weight * self.queue_weight
-        check = self.tokenizer_check
-        suspects = check.disagreed  # no worker has disagreed yet: none can be mismatched
+        mismatched = self.tokenizer_check.bad  # the workers whose tokenizer differs (tokenizer_check.py)
         queued_keys_of = self.queued_keys if tokens else _NONE  # a text prompt shares no queued ids
         block_sizes = index.block_size  # empty until a first event: every page size is 1 then
         firsts = []  # each target's cached_tokens before its queued prompts are looked at, and what it needs then
@@ -584,7 +583,7 @@ class KvAwarePolicy:
                 tree_tokens = per_tenant.get(tenant, 0) - 1
                 if tree_tokens < 0:
                     tree_tokens = 0
-                reason = TOKENIZER if suspects and check.mismatched(url) else None
+                reason = TOKENIZER if mismatched and url in mismatched else None
             else:  # the prompt's text, at CHARS_PER_TOKEN characters a token
                 tree_tokens = int(per_tenant.get(tenant, 0) * _PER_CHAR)
                 reason = TEXT

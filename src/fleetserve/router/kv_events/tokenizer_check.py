@@ -55,11 +55,19 @@ class TokenizerCheck:
         self.agreed: dict[str, int] = {}
         self.disagreed: dict[str, int] = {}
         self.last: dict[str, tuple[int, int]] = {}  # url -> (router's count, worker's) of the last disagreement
+        self.bad: set[str] = set()  # the urls mismatched() is true of, kept as the counts change (the policy asks per target)
         self._warned: set[str] = set()
 
     def mismatched(self, url: str) -> bool:
+        return url in self.bad
+
+    def _judge(self, url: str) -> bool:
         bad = self.disagreed.get(url, 0)
-        return bad >= MIN_DISAGREEMENTS and bad > self.agreed.get(url, 0)
+        if bad >= MIN_DISAGREEMENTS and bad > self.agreed.get(url, 0):
+            self.bad.add(url)
+            return True
+        self.bad.discard(url)
+        return False
 
     def observe(self, url: str, router_count: int, data: bytes | None) -> None:
         """One 200 answer from ``url`` to a prompt the router counted ``router_count`` tokens in."""
@@ -68,12 +76,12 @@ class TokenizerCheck:
             return
         if reported == router_count:
             self.agreed[url] = self.agreed.get(url, 0) + 1
-            if not self.mismatched(url):
+            if not self._judge(url):
                 self._warned.discard(url)  # trusted again: warn again should it disagree later
             return
         self.disagreed[url] = self.disagreed.get(url, 0) + 1
         self.last[url] = (router_count, reported)
-        if self.mismatched(url) and url not in self._warned:
+        if self._judge(url) and url not in self._warned:
             self._warned.add(url)
             log.warning("kv_aware: %s counts other prompt tokens than the router's tokenizer (last: router %d, "
                         "worker %d; %d of %d answers disagree): its tokenizer differs, so its KV events cannot "
@@ -83,6 +91,7 @@ class TokenizerCheck:
     def forget(self, url: str) -> None:
         for d in (self.agreed, self.disagreed, self.last):
             d.pop(url, None)
+        self.bad.discard(url)
         self._warned.discard(url)
 
     def urls(self) -> list[str]:
