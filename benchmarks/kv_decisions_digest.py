@@ -8,9 +8,14 @@ streams of random trust, and then 10 or 40 random steps: requests over a few sha
 with a text prompt, some naming a DP rank), their prefill ends and answers, engine ``/v1/loads``
 snapshots (with and without waiting figures and pool sizes), ``BlockStored`` events, and tokenizer
 disagreements.  Every decision (worker, rank, branch, predicted cached tokens, reason, tokens charged)
-and each scenario's final bookkeeping (queued prefill, load, idle moves, the backlog unit's counters)
-go into one SHA-1.  A refactor meant to change no decision must print the same digest before and
-after; a run takes a few seconds.  No timing is involved: the states are built, not raced.
+with its debug log line of every target's cost terms (unless ``--decisions-only``),
+and each scenario's final bookkeeping (queued prefill, load, idle moves, the backlog unit's counters,
+each target's held cached prefixes with their union and what a snapshot counts of them, and the load
+term the cost would use) go into one SHA-1.  A refactor meant to change no decision must print the
+same digest before and after (it also prints which ``fleetserve`` it imported: a mistyped
+PYTHONPATH falls back to the installed tree); a run takes a few seconds.  The states are built step
+by step, not raced: the only clock readings are the order of the steps (a request sent before or
+after a snapshot), and snapshots never go stale.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import argparse
 import collections
 import hashlib
 import logging
+import os
 import random
 from types import SimpleNamespace
 
+import fleetserve
 from fleetserve.router.kv_events.decode import BlockStored
 from fleetserve.router.kv_events.loads import EngineLoads
 from fleetserve.router.kv_events.policy import KvAwarePolicy, RouteKey
@@ -51,8 +58,9 @@ def scenario(seed: int, out: list) -> None:
         r = rng.random()
         if r < 0.1 and pol.engine_loads is not None:
             u = rng.choice(urls)
+            most = rng.choice([20_000, 100_000])  # at 100k the engine's figure is mostly over the router's own
             pol.engine_loads.put(
-                u, {k: rng.randrange(20_000) for k in ranks[u]},
+                u, {k: rng.randrange(most) for k in ranks[u]},
                 waiting={k: rng.randrange(5_000) for k in ranks[u]} if rng.random() < 0.5 else None,
                 waiting_reqs={k: rng.randrange(5) for k in ranks[u]} if rng.random() < 0.5 else None)
             if rng.random() < 0.3:
@@ -86,17 +94,44 @@ def scenario(seed: int, out: list) -> None:
             out.append(("decision", seed, step, w.url, key.rank, key.branch, key.cached, key.reason,
                         key.charged[1] if key.charged else None))
             inflight.append(key)
+    loads = pol.engine_loads
+    held = [(lk, h.waiting_tokens, h.running_union(), h.counted(loads.counts_from(lk[0]) if loads else None))
+            for lk, h in sorted(pol.held.items(), key=lambda item: repr(item[0]))]
+    terms = [(u, r, pol.load_term(u, r)) for u in urls for r in (None,) + ranks[u]]
     out.append(("state", seed, sorted(pol.queued_tokens.items()), sorted(pol.load_tokens.items()), pol.idle_moves,
-                pol.queued_requests, pol.queued_sum))
+                pol.queued_requests, pol.queued_sum, held, terms))
+
+
+class CostLines(logging.Handler):
+    """Adds the policy's debug line of each decision (every target's cached, queued and load terms and
+    cost: ``kv_aware cost: ...``) to the digest, so that a change in a term shows even where it changes
+    no decision; other log records are dropped."""
+
+    def __init__(self, out: list) -> None:
+        super().__init__(logging.DEBUG)
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("kv_aware cost"):
+            self.out.append(("cost", record.getMessage()))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", type=int, default=3000)
     ap.add_argument("--stats", action="store_true", help="also print how the decisions spread over branches etc.")
+    ap.add_argument("--decisions-only", action="store_true",
+                    help="leave the debug log's per-target cost lines out of the digest (for a change that rewords them)")
     args = ap.parse_args()
-    logging.disable(logging.CRITICAL)  # the tokenizer check's warnings
+    if args.scenarios < 1:
+        ap.error("--scenarios must be at least 1")
+    print(f"fleetserve from {os.path.dirname(os.path.dirname(fleetserve.__file__))}")
     out: list = []
+    costs = CostLines(out)
+    router_log = logging.getLogger("fleetserve.router")
+    router_log.propagate = False  # the tokenizer check's warnings are not printed
+    router_log.handlers[:] = [costs]
+    router_log.setLevel(logging.WARNING if args.decisions_only else logging.DEBUG)
     for seed in range(args.scenarios):
         scenario(seed, out)
     decisions = [o for o in out if o[0] == "decision"]

@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/kv_policy_cost.py BODIES.jsonl [--inflight 16] [--workers 4]
         [--passes 5] [--profile] [--engine-tokens N --prefill-after K] [--balance-band B]
+        [--loads-interval S] [--callgrind]
 
 BODIES.jsonl: one JSON request body per line (the router-overhead stick writes ~200 bodies of
 1-2 KB in 10 prefix groups to ``<out>/bodies.jsonl``; ``make_bodies`` in its ``bench.py``).
@@ -35,20 +36,23 @@ import collections
 import functools
 import hashlib
 import json
+import os
 import pstats
 import time
 
 import orjson
 
+import fleetserve
 from fleetserve.models.tokenizer import tokenizer_dir
 from fleetserve.router.kv_events.loads import EngineLoads
 from fleetserve.router.kv_events.policy import KvAwarePolicy
-from fleetserve.router.kv_events.tokenize import RouterTokenizer
+from fleetserve.router.kv_events.tokenize import INLINE_MAX_CHARS, RouterTokenizer
 from fleetserve.router.policies import make_policy
 from fleetserve.router.routing_text import routing_text
 from fleetserve.router.workers import Worker
 
 PATH = "/v1/completions"
+FLEETSERVE = os.path.dirname(os.path.dirname(fleetserve.__file__))  # the src folder measured (PYTHONPATH, else the install)
 
 
 async def one_pass(policy, bodies: list[bytes], workers: list, inflight: int, trace: list | None = None,
@@ -103,12 +107,40 @@ def _drive(coro):
 
 
 def callgrind_passes(kv, bodies: list[bytes], workers: list, args) -> None:
-    """One warm pass, then ``args.passes`` inside ``functools.reduce`` (the callgrind toggle)."""
+    """One warm pass, then ``args.passes`` inside ``functools.reduce`` (the callgrind toggle).
+
+    Every body must be tokenized inline (the fast encoder, at most ``INLINE_MAX_CHARS`` characters):
+    without an event loop a longer one would fail over to routing on its text, and the count would
+    be of that path; such bodies are refused up front (SystemExit)."""
+    long = [i for i, raw in enumerate(bodies) if not kv.tokenizer.inline(PATH, orjson.loads(raw))]
+    if long:
+        raise SystemExit(f"--callgrind: {len(long)} of {len(bodies)} bodies are not tokenized inline (the first: "
+                         f"line {long[0] + 1}); use prompts of at most {INLINE_MAX_CHARS} characters")
+
     def one(_acc, _i):
         return _drive(one_pass(kv, bodies, workers, args.inflight, None, args.engine_tokens, args.prefill_after))
 
     one(0, 0)
     functools.reduce(one, range(args.passes), 0)
+
+
+def read_bodies(path: str) -> list[bytes]:
+    """The non-blank lines of ``path``, each a JSON object; SystemExit with one line on anything else."""
+    try:
+        with open(path, "rb") as f:
+            bodies = [line.strip() for line in f if line.strip()]
+    except OSError as e:
+        raise SystemExit(f"cannot read the bodies file: {e}") from None
+    if not bodies:
+        raise SystemExit(f"{path}: no request bodies (one JSON object per line)")
+    for n, raw in enumerate(bodies, 1):
+        try:
+            ok = isinstance(orjson.loads(raw), dict)
+        except orjson.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise SystemExit(f"{path}: body {n} is not a JSON object")
+    return bodies
 
 
 def main() -> None:
@@ -132,7 +164,9 @@ def main() -> None:
     ap.add_argument("--callgrind", action="store_true",
                     help="one warm pass, then --passes kv_aware passes inside functools.reduce (see the docstring)")
     args = ap.parse_args()
-    bodies = [line.strip().encode() for line in open(args.bodies) if line.strip()]
+    if args.passes < 1 or args.inflight < 1 or args.workers < 1:
+        ap.error("--passes, --inflight and --workers must be at least 1")
+    bodies = read_bodies(args.bodies)
     workers = [Worker(f"http://127.0.0.1:{30000 + i}") for i in range(args.workers)]
     tok = RouterTokenizer(tokenizer_dir())
     kv = KvAwarePolicy(tokenizer=tok, **({} if args.balance_band is None else {"balance_band": args.balance_band}))
@@ -140,6 +174,7 @@ def main() -> None:
         kv.engine_loads = EngineLoads(1e9 if args.callgrind else args.loads_interval)
     if args.callgrind:
         callgrind_passes(kv, bodies, workers, args)
+        print(json.dumps({"fleetserve": FLEETSERVE, "bodies": len(bodies), "passes": args.passes}))
         return
     policies = {"cache_aware": make_policy("cache_aware"), "kv_aware": kv}
     best = {name: float("inf") for name in policies}
@@ -159,7 +194,7 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
     asyncio.run(run())
-    print(json.dumps({"bodies": len(bodies), "inflight": args.inflight, "workers": args.workers,
+    print(json.dumps({"fleetserve": FLEETSERVE, "bodies": len(bodies), "inflight": args.inflight, "workers": args.workers,
                       "us_per_request": {k: round(v, 1) for k, v in best.items()},
                       # a digest of every decision (worker, predicted cached tokens): equal digests, equal choices
                       "decisions": {k: hashlib.sha1(repr(v).encode()).hexdigest()[:12] for k, v in traces.items()}}))
