@@ -69,7 +69,7 @@ from pathlib import Path
 from fleetserve.entrypoints.cli_parser import OneLineParser
 from fleetserve.launch.kv_ports import (check_kv_event_ports, default_kv_events_config, given as kv_events_given,
                                         instance_kv_events_args)
-from fleetserve.launch.output import child_env, start_copy
+from fleetserve.launch.output import child_env, say, start_copy
 from fleetserve.launch.port_plan import first_busy, first_collision, plan
 from fleetserve.launch.router_address import adopt_router_address, given_launch_flags, http_url
 from fleetserve.launch.router_check import check_router_args
@@ -101,7 +101,7 @@ class Child:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(),
                                      preexec_fn=_die_with_launch(os.getpid()))
         self.output = start_copy(self.name, self.proc.stdout, self.log)
-        print(f"[launch] started {self.name} pid={self.proc.pid} {self.url}", flush=True)
+        say(f"[launch] started {self.name} pid={self.proc.pid} {self.url}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -363,7 +363,7 @@ INSTANCE_STOP_S = 5.0
 def progress(line: str) -> None:
     """One start-up progress line, ``[launch] ...``, on stderr (the children's lines and the
     results stay on stdout)."""
-    print(f"[launch] {line}", file=sys.stderr, flush=True)
+    say(f"[launch] {line}", err=True)
 
 
 def _http(url: str, method: str = "GET", timeout: float = 2.0, key: str | None = None) -> int:
@@ -406,12 +406,12 @@ class Launcher:
     # ---------------------------------------------------------------- helpers
     def _on_signal(self, signum, _frame) -> None:
         if self.stopping:  # a second signal: the router stops waiting for its requests in flight (router/cli.py)
-            print(f"[launch] {signal.Signals(signum).name} again: the router ends its wait for the requests in "
-                  "flight now", flush=True)
+            say(f"[launch] {signal.Signals(signum).name} again: the router ends its wait for the requests in "
+                  "flight now")
             if self.router is not None and self.router.alive():
                 self.router.signal_group(signal.SIGTERM)
             return
-        print(f"[launch] {signal.Signals(signum).name}: stopping", flush=True)
+        say(f"[launch] {signal.Signals(signum).name}: stopping")
         self.stopping = True
 
     def _wait_healthy(self, children: list[Child], deadline: float) -> bool:
@@ -423,10 +423,10 @@ class Launcher:
                 return False
             for c in list(waiting):
                 if not c.alive():
-                    print(f"[launch] {c.name} exited with code {c.proc.returncode} during start-up", flush=True)
+                    say(f"[launch] {c.name} exited with code {c.proc.returncode} during start-up")
                     return False
                 if _http(c.url + "/health") == 200:
-                    print(f"[launch] {c.name} healthy at {c.url}", flush=True)
+                    say(f"[launch] {c.name} healthy at {c.url}")
                     waiting.remove(c)
             now = time.monotonic()
             if waiting and now >= next_note:  # no long silence while models load
@@ -434,8 +434,8 @@ class Launcher:
                          f"({now - began:.0f} s; --startup-timeout {self.args.startup_timeout:g})")
                 next_note = now + PROGRESS_EVERY_S
             if time.monotonic() > deadline:
-                print(f"[launch] not healthy within {self.args.startup_timeout} s: "
-                      f"{', '.join(c.name for c in waiting)}", flush=True)
+                say(f"[launch] not healthy within {self.args.startup_timeout} s: "
+                      f"{', '.join(c.name for c in waiting)}")
                 return False
             time.sleep(0.25)
         return True
@@ -449,7 +449,7 @@ class Launcher:
         deadline = time.monotonic() + self.args.shutdown_grace
         self._stop([self.router], deadline + ROUTER_EXIT_S)  # its own grace period is --shutdown-grace
         self._stop(self.workers, max(deadline, time.monotonic() + INSTANCE_STOP_S))
-        print("[launch] all processes stopped", flush=True)
+        say("[launch] all processes stopped")
 
     def _stop(self, children: list, deadline: float) -> None:
         """SIGTERM each of ``children``'s process groups, wait until ``deadline``, SIGKILL what is left."""
@@ -461,7 +461,7 @@ class Launcher:
             try:
                 c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"[launch] {c.name} did not stop within {self.args.shutdown_grace} s: SIGKILL", flush=True)
+                say(f"[launch] {c.name} did not stop within {self.args.shutdown_grace} s: SIGKILL")
             c.signal_group(signal.SIGKILL)  # also reaps grandchildren left in the group
             try:
                 c.proc.wait(timeout=5)
@@ -478,14 +478,14 @@ class Launcher:
                 elif _http(w.url + "/health") == 200:
                     status = _http(f"{self.router_url}/add_worker?url={w.url}", "POST", timeout=30,
                                    key=self.client_key)
-                    print(f"[launch] {w.name} back: re-registered with the router (status {status})", flush=True)
+                    say(f"[launch] {w.name} back: re-registered with the router (status {status})")
                     w.pending_since = None
                     continue
                 else:
                     continue
             if w.alive():
                 continue
-            print(f"[launch] {w.name} (pid {w.proc.pid}) exited with code {w.proc.returncode}", flush=True)
+            say(f"[launch] {w.name} (pid {w.proc.pid}) exited with code {w.proc.returncode}")
             w.signal_group(signal.SIGKILL)  # its scheduler processes, if any are left
             _http(f"{self.router_url}/remove_worker?url={w.url}", "POST", timeout=10, key=self.client_key)
             if self.args.restart_workers:
@@ -496,8 +496,8 @@ class Launcher:
                 w.proc = None  # stop watching it
                 self.workers = [x for x in self.workers if x is not w]
                 if not self.workers:  # the router stays up (workers can be added), but say what that means
-                    print("[launch] no instance left: the router answers 503 (no_healthy_worker) until one is added "
-                          "(POST /add_worker or /workers); --restart-workers restarts dead instances", flush=True)
+                    say("[launch] no instance left: the router answers 503 (no_healthy_worker) until one is added "
+                          "(POST /add_worker or /workers); --restart-workers restarts dead instances")
 
     # ------------------------------------------------------------------- run
     def run(self) -> int:
@@ -516,16 +516,16 @@ class Launcher:
             progress(f"router: waiting for its {len(self.workers)} workers' health checks")
             if not self._wait_healthy([self.router], deadline):
                 return 0 if self.stopping else 1
-            print(f"[launch] router ready: {self.router_url} ({effective_policy(self.args)}, "
+            say(f"[launch] router ready: {self.router_url} ({effective_policy(self.args)}, "
                   f"{len(self.workers)} instances)\n"
                   f"[launch] try: {curl_example(self.router_url, self.client_key)}\n"
-                  f"[launch] (greedy; set \"temperature\" above 0, e.g. 0.7, to sample)", flush=True)
+                  f"[launch] (greedy; set \"temperature\" above 0, e.g. 0.7, to sample)")
             while not self.stopping:
                 time.sleep(0.5)
                 if self.stopping:  # a signal: a router that a second one already stopped is no failure
                     break
                 if not self.router.alive():
-                    print(f"[launch] router exited with code {self.router.proc.returncode}; stopping", flush=True)
+                    say(f"[launch] router exited with code {self.router.proc.returncode}; stopping")
                     code = 1
                     break
                 self._watch_workers()
@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, instance_args = build_parser().parse_known_args(argv)
     if args.workers < 1:
-        print(f"fleetserve launch: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        say(f"fleetserve launch: --workers must be >= 1, got {args.workers}", err=True)
         return 2
     bad = port_range_error("--port", args.port, allow_zero=True) or time_flag_error(args) or log_dir_error(args)
     if not bad and port_range_error("--worker-base-port", args.worker_base_port, args.workers):
@@ -564,10 +564,10 @@ def main(argv: list[str] | None = None) -> int:
             args.port = pick_router_port(args.router_host,
                                          range(args.worker_base_port, args.worker_base_port + args.workers))
         except OSError as e:
-            print(f"fleetserve launch: {args.router_port_flag} 0: cannot pick a free port on {args.router_host}: "
-                  f"{e.strerror or e}", file=sys.stderr)
+            say(f"fleetserve launch: {args.router_port_flag} 0: cannot pick a free port on {args.router_host}: "
+                  f"{e.strerror or e}", err=True)
             return 2
-        print(f"[launch] {args.router_port_flag} 0: the router will listen on port {args.port}", flush=True)
+        say(f"[launch] {args.router_port_flag} 0: the router will listen on port {args.port}")
     if not bad and effective_policy(args) == "kv_aware" and not kv_events_given(instance_args):
         # a kv_aware router routes on the instances' KV events: without a publisher it has only its tree
         taken = {args.port, *range(args.worker_base_port, args.worker_base_port + args.workers)}
@@ -575,30 +575,30 @@ def main(argv: list[str] | None = None) -> int:
             taken.add(router["prometheus_port"])
         cfg = default_kv_events_config(instance_args, args.workers, taken)
         if cfg is None:
-            print("[launch] warning: --policy kv_aware: no free port range for the instances' KV events "
-                  "from 5557 up; pass --kv-events-config (routed on the approximate tree until then)", flush=True)
+            say("[launch] warning: --policy kv_aware: no free port range for the instances' KV events "
+                  "from 5557 up; pass --kv-events-config (routed on the approximate tree until then)")
         else:
             instance_args = [*instance_args, "--kv-events-config", cfg]
-            print(f"[launch] --policy kv_aware: the instances publish KV-cache events (--kv-events-config {cfg}, "
-                  "instance i on the port + i x DP size; pass your own --kv-events-config to change it)", flush=True)
+            say(f"[launch] --policy kv_aware: the instances publish KV-cache events (--kv-events-config {cfg}, "
+                  "instance i on the port + i x DP size; pass your own --kv-events-config to change it)")
     bad = bad or check_ports(args) or check_kv_event_ports(instance_args, args.workers)
     for line in router.get("warnings", ()):  # the router logs them too, once it starts
-        print(f"[launch] warning: --router-args: {line}", flush=True)
+        say(f"[launch] warning: --router-args: {line}")
     if not bad:
         metrics = (router["prometheus_host"], router["prometheus_port"]) if router.get("prometheus_port") else None
         ports = plan(args.host, args.port, args.worker_base_port, args.workers, instance_args, prometheus=metrics,
                      router_host=args.router_host, router_flag=args.router_port_flag)
         bad = first_collision(ports) or first_busy(ports)
     if bad:
-        print(f"fleetserve launch: {bad}", file=sys.stderr)
+        say(f"fleetserve launch: {bad}", err=True)
         return 2
     from fleetserve.launch.memory import check_launch
 
     bad, note = check_launch(args, instance_args)
     if note:
-        print(f"[launch] {note}", flush=True)
+        say(f"[launch] {note}")
     if bad:
-        print(f"fleetserve launch: {bad}", file=sys.stderr)
+        say(f"fleetserve launch: {bad}", err=True)
         return 2
     return Launcher(args, instance_args).run()
 

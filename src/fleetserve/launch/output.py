@@ -6,6 +6,11 @@ A child writes to a pipe; one daemon thread per child copies it line by line. Th
 stops before the child's end of the pipe closes, even when this terminal is gone (a write
 error on stdout is swallowed), so a child never blocks on a full pipe. Children are started
 with ``PYTHONUNBUFFERED=1`` (see :func:`child_env`), so their lines arrive as written.
+
+The launcher's own lines go through :func:`say`, under the same lock as the copies and as one
+write: ``print`` writes the text and its newline in two calls, and a child's line copied
+between them would be glued to the launcher's (``[launch] SIGTERM: stopping[worker0] ...``).
+stdout and stderr share the lock, since a terminal or a ``2>&1`` pipe puts them on one stream.
 """
 
 from __future__ import annotations
@@ -16,7 +21,21 @@ import threading
 from pathlib import Path
 from typing import IO, BinaryIO
 
-_STDOUT_LOCK = threading.Lock()
+# re-entrant: a signal handler that says a line may run while the main thread holds it in say()
+_STDOUT_LOCK = threading.RLock()
+
+
+def say(line: str, err: bool = False) -> None:
+    """Write ``line`` and its newline to stdout (stderr when ``err``) in one write, flushed,
+    under the lock the child copies hold, so no child's line lands inside it. A closed or
+    broken stream is ignored, as in :func:`copy_lines`."""
+    try:
+        with _STDOUT_LOCK:
+            stream = sys.stderr if err else sys.stdout
+            stream.write(line + "\n")
+            stream.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def child_env() -> dict[str, str]:
