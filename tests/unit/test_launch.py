@@ -5,6 +5,7 @@ import json
 import pytest
 
 from fleetserve import launch
+from fleetserve.launch import output as launch_output
 
 
 @pytest.mark.parametrize("argv,policy", [
@@ -315,6 +316,7 @@ def test_a_long_start_up_says_who_it_still_waits_for(monkeypatch, capsys):
     finally:
         w.signal_group(9)
         w.proc.wait(5)
+    assert launch_output.drain(5)  # the launcher's lines reach the terminal through its writer thread
     out, err = capsys.readouterr()
     notes = [line for line in err.splitlines() if line.startswith("[launch] still waiting for worker0 to answer /health (")]
     assert len(notes) >= 2 and notes[0].endswith(" s; --startup-timeout 1)"), err

@@ -69,7 +69,7 @@ from pathlib import Path
 from fleetserve.entrypoints.cli_parser import OneLineParser
 from fleetserve.launch.kv_ports import (check_kv_event_ports, default_kv_events_config, given as kv_events_given,
                                         instance_kv_events_args)
-from fleetserve.launch.output import child_env, say, start_copy
+from fleetserve.launch.output import child_env, drain, say, start_copy
 from fleetserve.launch.port_plan import first_busy, first_collision, plan
 from fleetserve.launch.router_address import adopt_router_address, given_launch_flags, http_url
 from fleetserve.launch.router_check import check_router_args
@@ -406,10 +406,12 @@ class Launcher:
     # ---------------------------------------------------------------- helpers
     def _on_signal(self, signum, _frame) -> None:
         if self.stopping:  # a second signal: the router stops waiting for its requests in flight (router/cli.py)
-            say(f"[launch] {signal.Signals(signum).name} again: the router ends its wait for the requests in "
-                  "flight now")
             if self.router is not None and self.router.alive():
+                say(f"[launch] {signal.Signals(signum).name} again: the router ends its wait for the requests "
+                    "in flight now")
                 self.router.signal_group(signal.SIGTERM)
+            else:
+                say(f"[launch] {signal.Signals(signum).name} again: already stopping")
             return
         say(f"[launch] {signal.Signals(signum).name}: stopping")
         self.stopping = True
@@ -510,7 +512,8 @@ class Launcher:
             what = "loading the model" if self.args.worker_kind == "engine" else "starting"
             progress(f"{len(self.workers)} instance(s) {what}; each is ready when it answers /health")
             deadline = time.monotonic() + self.args.startup_timeout
-            if not self._wait_healthy(self.workers, deadline):
+            # (a signal during the last health check ends the wait with True: no router is started then)
+            if not self._wait_healthy(self.workers, deadline) or self.stopping:
                 return 0 if self.stopping else 1
             self.router.start()
             progress(f"router: waiting for its {len(self.workers)} workers' health checks")
@@ -535,6 +538,18 @@ class Launcher:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``fleetserve launch``; every line it queued for the terminal is written (bounded wait,
+    :func:`.output.drain`) before it returns."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C during the checks, before the launcher's own handlers are set
+        say("[launch] interrupted before any instance started", err=True)
+        return 130
+    finally:
+        drain()
+
+
+def _main(argv: list[str] | None = None) -> int:
     from fleetserve.entrypoints.ports import port_range_error
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -129,6 +129,37 @@ def test_dp_aware_picks_a_rank_and_without_it_a_worker_takes_its_best_rank():
     assert pol2.select([Worker(B), Worker(A)], key).url == A and key.rank is None and key.cached == 28
 
 
+def test_a_client_named_rank_is_charged_where_the_engine_runs_it_before_the_ranks_are_known():
+    """Helper trial: right after start (no KV-event stream, no ``/get_server_info`` dp_size yet) a
+    client's ``routed_dp_rank`` 1 ran on rank 1 while the route header and the load said rank 0."""
+    pol = policy(speculative_ttl_s=0, dp_aware=True)
+    assert not pol.ranks_known(A) and tuple(pol.ranks(A)) == (0,)
+    key = RouteKey("", P, 16)
+    key.client_rank = 1
+    assert pol.select([Worker(A)], key).url == A and key.rank == 1
+    assert pol.load_tokens == {(A, 1): len(P) + 16} and pol.inflight == {(A, 1): 1}
+    assert "; dp_rank=1;" in key.route_header()
+    pol.release(key)
+    assert pol.load_tokens == {} and pol.inflight == {}
+    # ranks known and without it: the engine refuses the rank (400), so it is routed as if none was named
+    pol.dp_ranks[A] = (0,)
+    key = RouteKey("", P, 16)
+    key.client_rank = 1
+    assert pol.select([Worker(A)], key).url == A and key.rank == 0
+    pol.release(key)
+    # known and with it: that rank, whichever rank the cost would prefer
+    pol.dp_ranks[A] = (0, 1)
+    pol.load_tokens[(A, 1)] = 10_000
+    key = RouteKey("", P, 16)
+    key.client_rank = 1
+    assert pol.select([Worker(A)], key).url == A and key.rank == 1
+    # two workers, one known without rank 1, one not known yet: only the second can run it
+    pol.dp_ranks[A] = (0,)
+    key = RouteKey("", P, 16)
+    key.client_rank = 1
+    assert pol.select([Worker(A), Worker(B)], key).url == B and key.rank == 1
+
+
 def test_text_without_tokens_is_routed_on_the_tree_in_token_units():
     pol = policy({}, speculative_ttl_s=0)
     text = "x" * 400

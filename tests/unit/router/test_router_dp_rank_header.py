@@ -13,8 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from fleetserve.router.kv_events.policy import KvAwarePolicy, RouteKey
-names_client_rank = lambda h: False
+from fleetserve.router.kv_events.policy import KvAwarePolicy, RouteKey, names_client_rank
 
 DP_SIZE = 2
 

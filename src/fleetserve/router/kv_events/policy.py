@@ -522,6 +522,11 @@ class KvAwarePolicy:
         subs = self.subs.get(url)
         return sorted(subs) if subs else self.dp_ranks.get(url, _RANK_0)
 
+    def ranks_known(self, url: str) -> bool:
+        """Whether :meth:`ranks` of ``url`` comes from the worker (its KV-event streams or its
+        ``/get_server_info`` dp_size) rather than the rank-0 default."""
+        return bool(self.subs.get(url)) or url in self.dp_ranks
+
     def trust(self, url: str, rank: int) -> str:
         """The trust the policy gives the target: the stream's, or ``fallback`` for a worker whose
         tokenizer differs from the router's (:mod:`.tokenizer_check`)."""
@@ -548,7 +553,11 @@ class KvAwarePolicy:
         subs = self.subs
         if self.dp_aware:  # one target per DP rank; only the rank the client named, when it named one
             pin = key.client_rank
-            targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url) if pin is None or r == pin]
+            if pin is None:
+                targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url)]
+            else:  # a worker whose ranks are not known yet (no stream, no dp_size from /get_server_info so
+                # far) may have it: the engine runs it there (or refuses it), so it is charged there
+                targets = [(w, pin, (pin,)) for w in workers if pin in self.ranks(w.url) or not self.ranks_known(w.url)]
             if not targets:  # a rank no worker has: the engine refuses it (400); route as if none was named
                 targets = [(w, r, (r,)) for w in workers for r in self.ranks(w.url)]
         else:  # one target per worker, the best of its ranks
