@@ -361,3 +361,33 @@ def test_the_same_policy_given_both_ways_is_fine(monkeypatch, capsys):
     code, _, _, lau, _ = _launch(monkeypatch, capsys, ["--policy", "round_robin", "--router-args",
                                                        "--policy round_robin"])
     assert code == 0 and lau is not None
+
+
+def test_a_signal_during_the_last_health_check_starts_no_router(monkeypatch, capsys):
+    """Helper trial: SIGINT as the instances turned healthy still started the router, because the
+    health wait ended with True in the same pass as the signal."""
+    args = launch.build_parser().parse_args(["--worker-kind", "sim", "--workers", "1"])
+    lau = launch.Launcher(args, [])
+    started, stopped = [], []
+    monkeypatch.setattr(launch.Child, "start", lambda self: started.append(self.name))
+    monkeypatch.setattr(lau, "shutdown", lambda: stopped.append(True))
+
+    def healthy_then_signal(children, deadline):
+        lau._on_signal(2, None)  # SIGINT arrives during the check that finds the last one healthy
+        return True
+
+    monkeypatch.setattr(lau, "_wait_healthy", healthy_then_signal)
+    assert lau.run() == 0
+    assert started == ["worker0"] and stopped == [True]  # no router
+    assert launch_output.drain(5)
+    assert capsys.readouterr().out == "[launch] SIGINT: stopping\n"
+
+
+def test_ctrl_c_during_the_checks_is_one_line(monkeypatch, capsys):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "check_router_args", interrupted)
+    assert launch.main(["--worker-kind", "sim", "--workers", "1"]) == 130
+    out, err = capsys.readouterr()
+    assert err == "[launch] interrupted before any instance started\n" and "Traceback" not in out
