@@ -331,6 +331,8 @@ class SimWorker:
     async def generate(self, req: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(req)
+            if body.get("text") is not None and body.get("input_ids") is not None:  # the engine's answer too
+                raise APIError("send exactly one of 'text' and 'input_ids'", 400, "text")
             if isinstance(body.get("text"), str):
                 ids = self.tok.encode(body["text"])
             elif isinstance(body.get("input_ids"), list) and body["input_ids"] and all(

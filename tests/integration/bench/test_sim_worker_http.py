@@ -196,6 +196,18 @@ async def test_generate_with_max_new_tokens_zero_answers_no_token(workers):
     assert meta["completion_tokens"] == 0 and meta["prompt_tokens"] == 3
 
 
+@pytest.mark.timeout(60)
+async def test_generate_with_both_text_and_input_ids_is_refused_as_the_engine_does(workers):
+    s = workers
+    base = f"http://127.0.0.1:{PORT}"
+    async with s.post(base + "/generate", json={"text": "a b c", "input_ids": [1, 2]}) as r:
+        assert r.status == 400  # entrypoints/validation.py: the same message and param
+        err = (await r.json())["error"]
+    assert err["message"] == "send exactly one of 'text' and 'input_ids'" and err["param"] == "text"
+    async with s.post(base + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}) as r:
+        assert r.status == 200 and (await r.json())["meta_info"]["prompt_tokens"] == 3
+
+
 async def _sse(s, url: str, body: dict) -> list[dict]:
     import json
 
