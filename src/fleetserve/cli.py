@@ -45,8 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"fleetserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before the command set its own handlers (while importing, say)
+        print(f"fleetserve {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
