@@ -437,7 +437,7 @@ class Launcher:
                 next_note = now + PROGRESS_EVERY_S
             if time.monotonic() > deadline:
                 say(f"[launch] not healthy within {self.args.startup_timeout} s: "
-                      f"{', '.join(c.name for c in waiting)}")
+                    f"{', '.join(c.name for c in waiting)}")
                 return False
             time.sleep(0.25)
         return True
@@ -499,7 +499,7 @@ class Launcher:
                 self.workers = [x for x in self.workers if x is not w]
                 if not self.workers:  # the router stays up (workers can be added), but say what that means
                     say("[launch] no instance left: the router answers 503 (no_healthy_worker) until one is added "
-                          "(POST /add_worker or /workers); --restart-workers restarts dead instances")
+                        "(POST /add_worker or /workers); --restart-workers restarts dead instances")
 
     # ------------------------------------------------------------------- run
     def run(self) -> int:
@@ -520,9 +520,9 @@ class Launcher:
             if not self._wait_healthy([self.router], deadline):
                 return 0 if self.stopping else 1
             say(f"[launch] router ready: {self.router_url} ({effective_policy(self.args)}, "
-                  f"{len(self.workers)} instances)\n"
-                  f"[launch] try: {curl_example(self.router_url, self.client_key)}\n"
-                  f"[launch] (greedy; set \"temperature\" above 0, e.g. 0.7, to sample)")
+                f"{len(self.workers)} instances)\n"
+                f"[launch] try: {curl_example(self.router_url, self.client_key)}\n"
+                f"[launch] (greedy; set \"temperature\" above 0, e.g. 0.7, to sample)")
             while not self.stopping:
                 time.sleep(0.5)
                 if self.stopping:  # a signal: a router that a second one already stopped is no failure
@@ -580,7 +580,7 @@ def _main(argv: list[str] | None = None) -> int:
                                          range(args.worker_base_port, args.worker_base_port + args.workers))
         except OSError as e:
             say(f"fleetserve launch: {args.router_port_flag} 0: cannot pick a free port on {args.router_host}: "
-                  f"{e.strerror or e}", err=True)
+                f"{e.strerror or e}", err=True)
             return 2
         say(f"[launch] {args.router_port_flag} 0: the router will listen on port {args.port}")
     if not bad and effective_policy(args) == "kv_aware" and not kv_events_given(instance_args):
@@ -591,11 +591,11 @@ def _main(argv: list[str] | None = None) -> int:
         cfg = default_kv_events_config(instance_args, args.workers, taken)
         if cfg is None:
             say("[launch] warning: --policy kv_aware: no free port range for the instances' KV events "
-                  "from 5557 up; pass --kv-events-config (routed on the approximate tree until then)")
+                "from 5557 up; pass --kv-events-config (routed on the approximate tree until then)")
         else:
             instance_args = [*instance_args, "--kv-events-config", cfg]
             say(f"[launch] --policy kv_aware: the instances publish KV-cache events (--kv-events-config {cfg}, "
-                  "instance i on the port + i x DP size; pass your own --kv-events-config to change it)")
+                "instance i on the port + i x DP size; pass your own --kv-events-config to change it)")
     bad = bad or check_ports(args) or check_kv_event_ports(instance_args, args.workers)
     for line in router.get("warnings", ()):  # the router logs them too, once it starts
         say(f"[launch] warning: --router-args: {line}")
