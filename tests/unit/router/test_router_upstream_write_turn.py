@@ -83,3 +83,35 @@ async def many_in_one_turn():
     assert got == [b"{}"] * 40 and len(paths) == 80 and len(pool._idle[base]) == 40
     pool.close()
     srv.close()
+
+
+class _RaisingWrite:
+    """A transport whose write raises (as uvloop's does on a transport closed under it); the rest is the real one."""
+
+    def __init__(self, real, exc: BaseException) -> None:
+        self.real, self.exc = real, exc
+
+    def write(self, data: bytes) -> None:
+        raise self.exc
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("exc", [RuntimeError("unable to perform operation"), ValueError("odd")])
+def test_a_write_that_raises_fails_only_its_own_request(loop_kind, exc):
+    async def scenario():
+        srv, base, paths = await counting_worker()
+        pool = UpstreamPool(timeout_s=5)
+        assert await asyncio.gather(answer(pool, base, "/w1"), answer(pool, base, "/w2")) == [b"{}", b"{}"]
+        broken = pool._idle[base][-1]  # the connection the next post takes
+        broken.transport = _RaisingWrite(broken.transport, exc)
+        got = await asyncio.wait_for(asyncio.gather(answer(pool, base, "/a"), answer(pool, base, "/b")), 5)
+        assert got == [b"{}", b"{}"]  # "/a" went again on a fresh connection (nothing had been sent)
+        assert sorted(paths) == ["/a", "/b", "/w1", "/w2"] and broken.closed and not pool._unsent
+        pool.close()
+        srv.close()
+
+    run(loop_kind, scenario())

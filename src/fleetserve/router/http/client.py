@@ -300,7 +300,9 @@ class UpstreamPool:
                 continue
             try:
                 conn.transport.write(data)
-            except (RuntimeError, OSError) as e:  # closed under us anyway: same as above
+            except Exception as e:  # closed under us anyway (RuntimeError, OSError): this request fails, the rest go
+                conn.closed = True
+                conn.transport.abort()
                 conn._fail(UpstreamError(f"cannot send the request to the worker: {e}"))
 
     def _target(self, base_url: str) -> tuple[str, int, bytes]:
