@@ -19,9 +19,10 @@ before it sleeps.  So the router parses and routes every request that arrived
 together before it wakes any worker.  On the overhead stick, which runs the
 router and its workers on one core, each write to a worker woke it and it
 preempted the router about once per request either way (0.84 and 0.85
-involuntary switches per request); with the routing work of a turn done before
-the first of them, kv_aware's router CPU fell from a median 134 to 119 µs per
-request (docs/benchmarks.md ``router-overhead-coalesced-writes``).  The delay
+involuntary switches per request), but now in the write loop rather than in
+the middle of the routing work: kv_aware's router CPU fell from a median 138
+to 121 µs per request, cache_aware's from 73 to 63 (docs/benchmarks.md
+``router-overhead-coalesced-writes``).  The delay
 is one turn of the loop (no timer).  A connection that closes before its turn
 fails its request as if the write had failed (on a reused idle connection the
 request goes once more on a fresh one), and the others of the turn are written.
