@@ -87,7 +87,8 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         if failed:
             log.error("workers not healthy within %s s: %s", cfg.worker_startup_timeout_secs, " ".join(failed))
             return 1
-        servers.append(await start_server(make_routes(router), None, None, cfg.max_payload_size, sock=socks[0]))
+        servers.append(await start_server(make_routes(router), None, None, cfg.max_payload_size, sock=socks[0],
+                                          arrivals=router.pool.arrivals))
         if cfg.prometheus_port is not None:
             servers.append(await start_server(metrics_routes(router), None, None, 1024, sock=socks[1]))
         # Everything allocated so far (modules, app, workers) lives as long as the process:

@@ -42,7 +42,8 @@ class InProcessRouter:
     async def __aenter__(self) -> "InProcessRouter":
         await self.router.start()
         assert await self.router.add_initial_workers() == []
-        self.srv = await start_server(make_routes(self.router), "127.0.0.1", 0, 1 << 20)
+        self.srv = await start_server(make_routes(self.router), "127.0.0.1", 0, 1 << 20,
+                                      arrivals=self.router.pool.arrivals)
         self.url = f"http://127.0.0.1:{self.srv.sockets[0].getsockname()[1]}"
         return self
 

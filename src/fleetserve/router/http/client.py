@@ -12,20 +12,20 @@ One :class:`UpstreamPool` per router; it keeps idle connections per worker
 any response byte arrived is sent once more on a fresh connection (the worker
 may have closed the idle connection meanwhile), as aiohttp does.
 
-Writes are coalesced per event-loop turn: :meth:`UpstreamPool.post` queues its
-request and the pool writes every queued request once the callbacks already
-due in this turn have run (``loop.call_soon``), as Redis writes its replies
-before it sleeps.  So the router parses and routes every request that arrived
-together before it wakes any worker.  On the overhead stick, which runs the
-router and its workers on one core, each write to a worker woke it and it
-preempted the router about once per request either way (0.84 and 0.85
-involuntary switches per request), but now in the write loop rather than in
-the middle of the routing work: kv_aware's router CPU fell from a median 138
-to 121 µs per request, cache_aware's from 73 to 63 (docs/benchmarks.md
-``router-overhead-coalesced-writes``).  The delay
-is one turn of the loop (no timer).  A connection that closes before its turn
-fails its request as if the write had failed (on a reused idle connection the
-request goes once more on a fresh one), and the others of the turn are written.
+Writes are coalesced: while requests that the server read together with this
+one are still to be handled (:class:`.turn.Arrivals`), :meth:`UpstreamPool.post`
+queues its request; the last of them writes every queued request at once, and
+a request that arrives alone is written at once.  (As a backstop, whatever is
+queued is also written at the end of the event-loop turn, ``loop.call_soon``.)
+So the router parses and routes every request that arrived together before it
+wakes any worker.  On the overhead stick, which runs the router and its workers
+on one core, each write to a worker woke it and it preempted the router about
+once per request either way (0.84 and 0.85 involuntary switches per request),
+but now in the write loop rather than in the middle of the routing work
+(docs/benchmarks.md ``router-overhead-coalesced-writes``).  A connection that
+closes before its request is written fails that request as if the write had
+failed (on a reused idle connection the request goes once more on a fresh
+one), and the others are written.
 
 Errors: every failure raises :class:`UpstreamError` (``UpstreamTimeoutError``
 for the ``timeout`` bound, which covers the whole exchange, streaming included):
@@ -41,6 +41,8 @@ import collections
 from urllib.parse import urlsplit
 
 import httptools
+
+from .turn import Arrivals
 
 
 class UpstreamError(Exception):
@@ -274,6 +276,10 @@ class UpstreamPool:
     """Keep-alive connections to every worker, created on demand."""
 
     def __init__(self, timeout_s: float, max_idle_per_worker: int = 256) -> None:
+        """``arrivals`` (set here): the count the router's main server keeps of requests read and not yet
+        handled (:mod:`.turn`); pass it to that server's :func:`~.server.start_server`."""
+        self.arrivals = Arrivals()
+        self._write_scheduled = False  # a call_soon(_write_unsent) is pending
         self.loop = asyncio.get_running_loop()
         self.timeout_s = timeout_s
         self.max_idle = max_idle_per_worker
@@ -281,15 +287,19 @@ class UpstreamPool:
         self._addr: dict[str, tuple[str, int, bytes]] = {}
         # how many times each worker was forgotten: a connection opened before the last time is not reused
         self._epochs: dict[str, int] = {}
-        self._unsent: list[tuple[_Conn, bytes]] = []  # requests queued for the end of this loop turn
+        self._unsent: list[tuple[_Conn, bytes]] = []  # requests waiting for the others read with them
 
     def _queue_write(self, conn: _Conn, data: bytes) -> None:
-        """Write ``data`` to ``conn`` once the callbacks due in this loop turn have run (module docstring)."""
-        if not self._unsent:
-            self.loop.call_soon(self._write_unsent)
+        """Write ``data`` to ``conn`` with the requests read together with it (module docstring)."""
         self._unsent.append((conn, data))
+        if not self.arrivals.waiting:  # the last of its arrivals to be handled (or alone): all go now
+            self._write_unsent()
+        elif not self._write_scheduled:  # else after the others; at the latest at the end of this turn
+            self._write_scheduled = True
+            self.loop.call_soon(self._write_unsent)
 
     def _write_unsent(self) -> None:
+        self._write_scheduled = False
         unsent, self._unsent = self._unsent, []
         for conn, data in unsent:
             if conn.closed:  # it failed, timed out or was given up since (its waiter already knows)

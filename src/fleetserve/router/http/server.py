@@ -36,6 +36,8 @@ from urllib.parse import parse_qs
 import httptools
 import orjson
 
+from .turn import Arrivals
+
 log = logging.getLogger("fleetserve.router")
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
@@ -153,8 +155,10 @@ class HttpProtocol(asyncio.Protocol):
 
     def __init__(self, routes: dict[str, dict[str, object]], max_body: int,
                  live: set["HttpProtocol"] | None = None,
-                 prefixes: tuple[tuple[str, dict[str, object]], ...] = ()) -> None:
+                 prefixes: tuple[tuple[str, dict[str, object]], ...] = (), arrivals: Arrivals | None = None) -> None:
         self.routes = routes
+        self.arrivals = arrivals  # counted into while a request waits for its handler (turn.py); None: not counted
+        self._arrived = False  # this connection's request is counted in arrivals
         self.prefixes = prefixes  # (path prefix, method -> handler), tried when no exact path matches
         self.live = live
         self.idle_since: float | None = None
@@ -187,6 +191,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self._started()  # a handler task cancelled before it started never runs its first line
         if self.live is not None:
             self.live.discard(self)
         self._queue.clear()
@@ -317,10 +322,20 @@ class HttpProtocol(asyncio.Protocol):
                                        self._headers, body, self.parser.should_keep_alive()))
         if self._task is None:
             self._task = self.loop.create_task(self._serve_queue())
+            if self.arrivals is not None:  # read, its handler not started: the upstream client waits for it (turn.py)
+                self.arrivals.waiting += 1
+                self._arrived = True
         self._update_reading()
 
     # -- handling
+    def _started(self) -> None:
+        """This connection's counted request is no longer waiting for its handler (turn.py)."""
+        if self._arrived:
+            self._arrived = False
+            self.arrivals.waiting -= 1
+
     async def _serve_queue(self) -> None:
+        self._started()
         try:
             while self._queue and not self.closed:
                 item = self._queue.popleft()
@@ -490,16 +505,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def start_server(routes: Routes, host: str | None, port: int | None, max_body: int, backlog: int = 1024,
-                       idle_timeout_s: float = 75.0, sock: socket.socket | None = None) -> "ListeningServer":
+                       idle_timeout_s: float = 75.0, sock: socket.socket | None = None,
+                       arrivals: Arrivals | None = None) -> "ListeningServer":
     """Listen on ``host:port`` (or on ``sock``, from :func:`bind_socket`); returns a :class:`ListeningServer`.
 
     Close it to stop.  Keep-alive client connections idle for ``idle_timeout_s``
-    seconds are closed (aiohttp's server default is 75 s).
+    seconds are closed (aiohttp's server default is 75 s).  ``arrivals``: the upstream pool's
+    count of requests read and not yet handled (:mod:`.turn`), for the router's main server.
     """
     loop = asyncio.get_running_loop()
     live: set[HttpProtocol] = set()
     prefixes = tuple(routes.prefixes.items())
-    factory = lambda: HttpProtocol(routes.table, max_body, live, prefixes)  # noqa: E731
+    factory = lambda: HttpProtocol(routes.table, max_body, live, prefixes, arrivals)  # noqa: E731
     if sock is not None:
         server = await loop.create_server(factory, sock=sock, backlog=backlog)
     else:
