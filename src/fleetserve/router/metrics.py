@@ -15,7 +15,8 @@ Families (prefix ``fleetserve_router_``):
   the request's fault: neither worker's failure counted, no further retry (``proxy._forward``).
 * ``migrations_total``: continuations that streamed, for streams whose worker failed mid-stream.
 * ``inflight_requests{worker}``: the load used for routing.
-* ``worker_healthy{worker}``: 1 healthy, 0 not.
+* ``worker_healthy{worker}``: 1 healthy, 0 not, as ``/list_workers``' ``is_healthy`` says (health checks
+  passing, circuit not open, no failed attempt since the last good one: :func:`.worker_view.is_healthy`).
 * ``tree_size_chars{worker}``: characters the cache_aware tree holds for each worker.
 * ``cache_decisions_total{result}``: cache_aware ``hit`` / ``miss`` / ``balanced``.
 * ``routing_decision_seconds``: histogram of the time to choose a worker.
@@ -33,6 +34,8 @@ import bisect
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from .worker_view import is_healthy
 
 DECISION_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 2.5e-2)
 
@@ -81,7 +84,7 @@ class RouterCollector:
             req.add_metric([w.url], w.requests)
             fail.add_metric([w.url], w.failures)
             infl.add_metric([w.url], w.load)
-            healthy.add_metric([w.url], 1 if w.healthy else 0)
+            healthy.add_metric([w.url], 1 if is_healthy(w) else 0)
             tree.add_metric([w.url], ptree.tenant_size(w.url) if ptree is not None else 0)
         yield from (req, fail, infl, healthy, tree)
         yield CounterMetricFamily("fleetserve_router_retries", "Upstream attempts after the first",

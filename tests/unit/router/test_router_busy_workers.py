@@ -107,3 +107,33 @@ async def test_a_500_is_still_a_failure_that_is_retried(workers, InProcessRouter
             assert resp.status == 200 and json.loads(await resp.read())["worker"] == "free"
         w = r.router.registry.get(bad.url)
         assert w.failures == 1 and w.breaker.failures == 1
+
+
+async def test_the_healthy_gauge_agrees_with_list_workers_once_the_circuit_opens(InProcessRouter):
+    """A user trial: after a worker was killed, /list_workers said is_healthy false (circuit open) while
+    /metrics kept fleetserve_router_worker_healthy at 1 until the health checks (every 60 s) caught up."""
+    import aiohttp
+
+    from fleetserve.router.metrics import make_registry, render
+
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]  # never contacted: health checks off
+    async with InProcessRouter(worker_urls=urls, disable_health_check=True, cb_failure_threshold=2) as r:
+        reg = make_registry(r.router)
+
+        def gauges() -> dict:
+            lines = render(reg).decode().splitlines()
+            return {u: next(ln.rsplit(" ", 1)[1] for ln in lines
+                            if ln.startswith(f'fleetserve_router_worker_healthy{{worker="{u}"}}')) for u in urls}
+
+        async def listed() -> dict:
+            async with aiohttp.ClientSession() as s, s.get(r.url + "/list_workers") as resp:
+                body = await resp.json()
+            return {w["url"]: w["is_healthy"] for w in body["workers"]}
+
+        assert gauges() == {urls[0]: "1.0", urls[1]: "1.0"} and await listed() == {urls[0]: True, urls[1]: True}
+        bad = r.router.registry.get(urls[0])
+        bad.record_failure("test")  # one failed attempt: not healthy until a good one, circuit still closed
+        assert gauges() == {urls[0]: "0.0", urls[1]: "1.0"} and (await listed())[urls[0]] is False
+        bad.record_failure("test")  # the circuit opens
+        assert bad.healthy  # the health checks have not seen it: the old gauge said 1 here
+        assert gauges() == {urls[0]: "0.0", urls[1]: "1.0"} and await listed() == {urls[0]: False, urls[1]: True}
