@@ -398,7 +398,10 @@ class SimWorker:
             await resp.write(b"data: [DONE]\n\n")
         except SimEngineError as e:  # the engine's way: a last error event and no [DONE]
             await _write_error_event(resp, e)
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:  # the client went away mid-stream: nothing more to send (no traceback)
+            for r in reqs:
+                eng.abort(r)
+        except asyncio.CancelledError:
             for r in reqs:
                 eng.abort(r)
             raise
@@ -493,7 +496,10 @@ class SimWorker:
             await resp.write(b"data: [DONE]\n\n")
         except SimEngineError as e:  # the engine's way: a last error event and no [DONE]
             await _write_error_event(resp, e)
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:  # the client went away mid-stream: nothing more to send (no traceback)
+            for r in reqs:
+                eng.abort(r)
+        except asyncio.CancelledError:
             for r in reqs:
                 eng.abort(r)
             raise

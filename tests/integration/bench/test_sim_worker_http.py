@@ -1,5 +1,7 @@
 """The sim-worker's HTTP API: OpenAI shapes, cached_tokens, errors, flush, timing."""
 
+import json
+import logging
 import asyncio
 import socket
 
@@ -367,3 +369,67 @@ async def test_unknown_paths_and_wrong_methods_get_json_errors(workers):
         assert r.status == 404
         assert (await r.json())["error"] == {"message": "no route for /nowhere", "type": "not_found_error",
                                              "param": None, "code": None}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "a b", "max_tokens": 2000, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2000, "stream": True}),
+    ("/generate", {"text": "a b", "sampling_params": {"max_new_tokens": 2000}, "stream": True}),
+])
+async def test_a_client_that_leaves_a_stream_frees_the_engine_without_a_traceback(workers, caplog, path, body):
+    """A user trial: a router aborting its connection mid-stream made the worker log a full traceback
+    ('Error handling request ... Cannot write to closing transport') for each such stream."""
+    base = f"http://127.0.0.1:{PORT}"
+    reader, writer = await asyncio.open_connection("127.0.0.1", PORT)
+    raw = json.dumps(body).encode()
+    writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (path.encode(), len(raw), raw))
+    assert b"data: " in await asyncio.wait_for(reader.readuntil(b"data: "), 10)  # the stream has begun
+    writer.transport.abort()  # gone, as a router aborts its connection to a worker
+    for _ in range(100):
+        async with workers.get(base + "/get_load") as r:
+            load = await r.json()
+        load = load[0] if isinstance(load, list) else load
+        if load["num_reqs"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert load["num_reqs"] == 0  # aborted in the engine, not decoded to the end
+    await asyncio.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "a b", "max_tokens": 2000, "stream": True}),
+    ("/generate", {"text": "a b", "sampling_params": {"max_new_tokens": 2000}, "stream": True}),
+])
+async def test_a_stream_write_that_finds_the_transport_closing_ends_the_stream_quietly(workers, caplog, monkeypatch,
+                                                                                       path, body):
+    """The window the user trial hit: the router aborted its connection, the worker saw the reset (its
+    transport closing) and a stream write raised aiohttp's ClientConnectionResetError before the
+    connection's loss was handled; the worker then logged 'Error handling request' with a traceback."""
+    real_write = aiohttp.web.StreamResponse.write
+    calls = {"n": 0}
+
+    async def write(self, data):
+        calls["n"] += 1
+        if calls["n"] == 3:  # a few events in: the client has gone
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        return await real_write(self, data)
+
+    monkeypatch.setattr(aiohttp.web.StreamResponse, "write", write)
+    base = f"http://127.0.0.1:{PORT}"
+    async with workers.post(base + path, json=body) as r:
+        assert r.status == 200
+        text = (await r.read()).decode()
+    assert text.count("data: ") == 2 and "[DONE]" not in text  # cut where the write failed, no error event
+    for _ in range(100):
+        async with workers.get(base + "/get_load") as r:
+            load = await r.json()
+        load = load[0] if isinstance(load, list) else load
+        if load["num_reqs"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert load["num_reqs"] == 0  # aborted in the engine
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
