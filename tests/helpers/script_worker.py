@@ -19,6 +19,10 @@ request's token limit (``max_tokens`` / ``max_completion_tokens`` /
 ``sampling_params.max_new_tokens``), each chunk with this worker's own ids, then a finish
 reason (``stop`` at the script's end, else ``length``), usage when asked
 (``stream_options.include_usage``; ``prompt_tokens`` = ``PROMPT_TOKENS`` + ``j``), ``[DONE]``.
+``tokens_per_chunk`` k > 1 streams OpenAI answers k tokens per event (as an engine with
+``--stream-interval k``); with ``continuous_usage_stats`` (vLLM's, with ``include_usage``) every
+chunk that carries choices has the usage so far, unless ``honors_continuous_usage`` is False (a
+worker that ignores the field).
 
 ``die(after=k, how=...)``: on its next request it sends ``k`` events and then ``reset`` (RST),
 ``close`` (FIN, chunked body unfinished), ``error`` (an error event, then a clean end, as an
@@ -103,9 +107,12 @@ def _bad(msg: str) -> bytes:
 class ScriptWorker:
     """The worker (``name`` appears in its ids); ``await start()`` / ``await close()`` in the test's loop."""
 
-    def __init__(self, name: str, script: list[str], delay_s: float = 0.0) -> None:
+    def __init__(self, name: str, script: list[str], delay_s: float = 0.0, tokens_per_chunk: int = 1,
+                 honors_continuous_usage: bool = True) -> None:
         self.name = name
         self.script = script
+        self.tokens_per_chunk = tokens_per_chunk
+        self.honors_continuous_usage = honors_continuous_usage
         self.delay_s = delay_s  # between events
         self.bodies: list[tuple[str, dict]] = []
         self.headers: list[dict[str, str]] = []  # each request's headers (lower-case names), as bodies
@@ -200,16 +207,24 @@ class ScriptWorker:
         chat = path == "/v1/chat/completions"
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": "script"}
+        k = self.tokens_per_chunk
+        pieces = ["".join(toks[i:i + k]) for i in range(0, n, k)]
+        ends = [min(i + k, n) for i in range(0, n, k)]  # completion tokens once each piece is out
         if chat:
-            out.append({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None}]})
-            out += [{**base, "choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}]}
-                    for t in toks]
-            out.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reason}]})
+            out.append(({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "finish_reason": None}]}, 0))
+            out += [({**base, "choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}]}, c)
+                    for t, c in zip(pieces, ends)]
+            out.append(({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}, n))
         else:
-            out += [{**base, "choices": [{"index": 0, "text": t, "finish_reason": reason if i == n - 1 else None}]}
-                    for i, t in enumerate(toks)]
-        if (req.get("stream_options") or {}).get("include_usage"):
+            out += [({**base, "choices": [{"index": 0, "text": t, "finish_reason": reason if c == n else None}]}, c)
+                    for t, c in zip(pieces, ends)]
+        opts = req.get("stream_options") or {}
+        if opts.get("include_usage") and opts.get("continuous_usage_stats") and self.honors_continuous_usage:
+            out = [{**ev, "usage": usage(c)} for ev, c in out]
+        else:
+            out = [ev for ev, _ in out]
+        if opts.get("include_usage"):
             out.append({**base, "choices": [], "usage": usage(n)})
         return out
 

@@ -34,6 +34,10 @@ A ``model`` other than ``--model-name`` gets the engine's 404 ``model_not_found`
 Worker identity: every response carries the header ``X-Fleetserve-Worker`` and
 a top-level ``"worker_id"`` field (in the usage chunk when streaming), so the
 bench can attribute hits to workers through any router.
+
+Streamed OpenAI answers take ``stream_options`` as vLLM does: ``include_usage`` adds a last
+usage-only chunk, and ``continuous_usage_stats`` with it puts the usage so far in every chunk
+(the router asks for that to count a migrating stream's tokens exactly).
 """
 
 from __future__ import annotations
@@ -465,11 +469,16 @@ class SimWorker:
             return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                       "choices": choices, "usage": usage(), "worker_id": self.engine.name},
                                      headers=headers)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        stream_options = body.get("stream_options") or {}
+        include_usage = bool(stream_options.get("include_usage"))
+        # vLLM's continuous_usage_stats (with include_usage): every chunk carries the usage so far
+        continuous = include_usage and bool(stream_options.get("continuous_usage_stats"))
         resp = await self._start_sse(req, headers)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(choices: list, **extra: Any) -> None:
+            if continuous and choices:
+                extra["usage"] = usage()
             data = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
                     "choices": choices, **extra}
             await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")

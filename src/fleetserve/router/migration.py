@@ -25,10 +25,15 @@ and ``max_tokens`` / ``max_completion_tokens`` / ``sampling_params.max_new_token
 completion tokens so far (when absent: 16 for completions and 128 for ``/generate``, the
 OpenAI and SGLang defaults; chat's absent limit stays absent).
 
-The completion tokens so far are exact for ``/generate`` (``meta_info.completion_tokens``)
-and where the worker reports usage in every chunk (``continuous_usage_stats``); otherwise they
-are counted as one per chunk that carried text (one decode step per chunk, as vLLM, SGLang
-and our engine stream without speculative decoding).
+The completion tokens so far are exact for ``/generate`` (``meta_info.completion_tokens``).  For
+``/v1/completions`` and ``/v1/chat/completions`` the router asks the worker for the usage in every
+chunk (``stream_options: {include_usage: true, continuous_usage_stats: true}``, vLLM's field, which
+SGLang and ``fleetserve serve`` take too) and takes the count from it.  What the client did not ask
+for is taken out again before the events reach it: ``usage`` in the chunks that carry choices unless
+the client set ``continuous_usage_stats``, and the usage-only chunk at the end unless it set
+``include_usage``.  A chunk can hold several tokens (``--stream-interval`` above 1) or a token with
+no text (half of a UTF-8 character), so counting chunks would be wrong; only when a worker ignores
+the field are the tokens counted as one per chunk that carried text.
 
 How the later worker's events are rewritten: ``id`` and ``created`` (``meta_info.id`` for
 ``/generate``) become the first worker's; ``/generate``'s cumulative ``text`` and
@@ -212,7 +217,12 @@ class Migration:
         self.usage_sent = self.done = self.role_sent = False
         self.usable = True  # False once tool calls or reasoning were streamed
         so = body.get("stream_options")
-        self.want_usage = type(so) is dict and so.get("include_usage") is True
+        so = so if type(so) is dict else {}
+        self.want_usage = so.get("include_usage") is True
+        # the usage in every chunk: asked of the worker (exact token counts), taken out where the client did not ask
+        self.want_chunk_usage = self.want_usage and so.get("continuous_usage_stats") is True
+        self.stream_options = None if path == GENERATE or self.want_chunk_usage else {
+            **so, "include_usage": True, "continuous_usage_stats": True}
         # the answer when the current worker took over (its events are relative to this)
         self.rewriting = False
         self.base_text = ""
@@ -222,6 +232,22 @@ class Migration:
         self.left_first = False  # the first worker's in-flight count was given back at the migration
         self.stays = False  # its worker was removed but the stream could not move: it finishes there
         self.tried: list[Worker] = []  # the workers this answer was on or offered to (by resume)
+
+    def upstream_body(self) -> bytes | None:
+        """The body to send the first worker in place of the client's (None: the client's as is): its
+        ``stream_options`` ask for the usage in every chunk, so the answer's token count is exact."""
+        if self.stream_options is None:
+            return None
+        return orjson.dumps({**self.body, "stream_options": self.stream_options})
+
+    def _unasked(self, obj) -> bool | None:
+        """For a chunk that carries usage the router asked for: True to drop it (the usage-only chunk the
+        client did not ask for), False to send it without its ``usage``; None: send it as it is."""
+        if self.stream_options is None or type(obj) is not dict or "usage" not in obj:
+            return None
+        if not obj.get("choices"):  # the usage-only chunk at the end
+            return True if not self.want_usage else None
+        return False
 
     # ------------------------------------------------------------------ events
     def feed(self, chunk: bytes) -> tuple[bytes, bytes | None]:
@@ -255,6 +281,12 @@ class Migration:
                     continue
                 ev = b"data: " + orjson.dumps(obj) + b"\n\n"
             self._observe(obj)
+            unasked = self._unasked(obj)
+            if unasked:
+                continue
+            if unasked is False:
+                del obj["usage"]
+                ev = b"data: " + orjson.dumps(obj) + b"\n\n"
             out.append(ev)
         return b"".join(out), None
 
@@ -365,7 +397,7 @@ class Migration:
                         del delta["content"]
             keep = [c for c in choices if type(c) is not dict or c.get("delta") or c.get("finish_reason") is not None
                     or c.get("logprobs")]
-            if choices and not keep and not obj.get("usage"):
+            if choices and not keep and (self.stream_options is not None or not obj.get("usage")):
                 return None  # the new worker's opening role chunk: the client has had one
         usage = obj.get("usage")
         if type(usage) is dict:
@@ -412,6 +444,8 @@ class Migration:
         if self.finish is not None or (type(limit) is int and limit - self.tokens <= 0):
             return "end", self._ending()
         new = dict(self.body)
+        if self.stream_options is not None:
+            new["stream_options"] = self.stream_options
         if type(limit) is int:
             if self.path == GENERATE:
                 new["sampling_params"] = {**(self.body.get("sampling_params") or {}), key: limit - self.tokens}

@@ -185,6 +185,9 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
     policy = router.policy
     headers = _passed_on_lines(request, router.via)
     mig = migration.start(router, path, parsed, text, headers, session) if stream and parsed is not None else None
+    raw = request.body  # what goes upstream (a migratable stream asks for the usage in every chunk)
+    if mig is not None:
+        raw = mig.upstream_body() or raw
     tree = getattr(policy, "tree", None)  # cache_aware, kv_aware: a refused request's entry is taken back
     tried: list[Worker] = []
     failure: Response | None = None
@@ -221,10 +224,10 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
                 return failure
             decorate = getattr(policy, "decorate", None)  # kv_aware: the DP rank to use, the route header
             if decorate is not None:
-                body, hdrs, shown = decorate(text, request.body, headers)
+                body, hdrs, shown = decorate(text, raw, headers)
                 predicted = getattr(text, "cached", None)
             else:  # every other policy: the route header (route_header.py)
-                body, hdrs = request.body, headers
+                body, hdrs = raw, headers
                 value, predicted = route_of(policy, worker, text, by_session)
                 shown = () if cfg.no_route_header else ((HEADER, value),)
             claim = policy.last_claim if tree is not None else None

@@ -220,6 +220,24 @@ async def _sse(s, url: str, body: dict) -> list[dict]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_stats_gives_each_chunk_the_tokens_so_far(workers, path):
+    """vLLM's ``continuous_usage_stats`` (the router asks for it to count a stream's tokens exactly):
+    with ``--stream-interval 3`` and 7 tokens the chunks carry 1, 4, 7 completion tokens; without the
+    field no chunk with choices has a usage."""
+    s = workers
+    url = f"http://127.0.0.1:{PORT}{path}"
+    body = ({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": PROMPT}]})
+    body = {**body, "max_tokens": 7, "stream": True}
+    on = await _sse(s, url, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert [c["usage"]["completion_tokens"] for c in on if c["choices"]] == [1, 4, 7]
+    assert on[-1]["choices"] == [] and on[-1]["usage"]["completion_tokens"] == 7
+    assert {c["usage"]["prompt_tokens"] for c in on} == {on[-1]["usage"]["prompt_tokens"]}
+    off = await _sse(s, url, {**body, "stream_options": {"include_usage": True}})
+    assert [("usage" in c) for c in off] == [False] * (len(off) - 1) + [True]
+
+
+@pytest.mark.timeout(60)
 async def test_n_choices_one_prefill_n_decode_streams(workers):
     """OpenAI ``n``: n choices (index 0..n-1), streaming or not, completion tokens summed over them
     (vLLM's shapes), and in modelled time one prefill of the prompt plus n sequences decoding together."""

@@ -103,10 +103,11 @@ def read_answer(kind: str, raw: bytes) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def fleet(InProcessRouter, names: str, **cfg):
-    """Script workers named by ``names`` and a round-robin router in front of them, its next turn
-    the first worker; yields ``(session, router, workers)`` and closes the workers after."""
-    ws = [await ScriptWorker(n, SCRIPT).start() for n in names]
+async def fleet(InProcessRouter, names: str, worker_kw: dict | None = None, **cfg):
+    """Script workers named by ``names`` (``worker_kw``: ScriptWorker's options) and a round-robin router
+    in front of them, its next turn the first worker; yields ``(session, router, workers)`` and closes
+    the workers after."""
+    ws = [await ScriptWorker(n, SCRIPT, **(worker_kw or {})).start() for n in names]
     try:
         async with aiohttp.ClientSession() as s, InProcessRouter(**router_cfg([w.url for w in ws], **cfg)) as r:
             r.router.policy._next = 0
@@ -302,9 +303,11 @@ def test_two_migrations_over_three_workers(InProcessRouter):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("honors", [True, False])
 @pytest.mark.parametrize("kind", ["generate_ids", "completions", "chat"])
-def test_failure_after_the_last_token_is_ended_by_the_router(kind, InProcessRouter):
-    """The limit was reached (5 tokens) before the worker could send its finish: nothing to continue."""
+def test_failure_after_the_last_token_is_ended_by_the_router(kind, honors, InProcessRouter):
+    """The limit was reached (5 tokens) before the worker could send its finish: nothing to continue.
+    ``honors``: whether the worker sends the usage in every chunk the router asks for."""
     path, body = KINDS[kind]
     body = dict(body)
     if kind.startswith("generate"):
@@ -313,7 +316,7 @@ def test_failure_after_the_last_token_is_ended_by_the_router(kind, InProcessRout
         body["max_tokens"] = 5
 
     async def main():
-        async with fleet(InProcessRouter, "ab") as (s, r, (a, b)):
+        async with fleet(InProcessRouter, "ab", {"honors_continuous_usage": honors}) as (s, r, (a, b)):
             # generate / completions carry the finish in the 5th token's event: die before it
             a.die(after=die_after_events(kind, 5 if kind == "chat" else 4))
             status, raw = await post(s, r.url, path, body)
@@ -321,7 +324,10 @@ def test_failure_after_the_last_token_is_ended_by_the_router(kind, InProcessRout
             if kind == "chat":  # all 5 tokens arrived; the router ends the stream itself
                 assert got["text"] == "".join(SCRIPT[:5]) and got["finish"] == ["length"], got
                 assert b.bodies == [] and got["done"] == 1
-                assert got["usage"] == [], got  # prompt tokens never reported: no made-up usage
+                if honors:  # the usage in the chunks: the router's ending reports it, exact
+                    assert got["usage"] == [(PROMPT_TOKENS, 5, PROMPT_TOKENS + 5)], got
+                else:
+                    assert got["usage"] == [], got  # prompt tokens never reported: no made-up usage
             else:  # one token left: b is asked for exactly one
                 assert got["text"] == "".join(SCRIPT[:5]) and got["finish"] == ["length"], got
                 cont = b.bodies[0][1]
@@ -690,5 +696,84 @@ def test_a_migration_moves_the_requests_load_and_queued_prefill_at_once(InProces
         finally:
             await a.close()
             await b.close()
+
+    run(main)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_a_chunk_of_several_tokens_is_counted_from_the_usage(kind, InProcessRouter):
+    """Workers stream two tokens per chunk (an engine's ``--stream-interval 2``) and the client asks for
+    7 tokens.  ``a`` dies after two chunks (4 tokens): the continuation must ask for 3 more, and the
+    client gets exactly 7 tokens with ``completion_tokens`` 7.  Counting one token per chunk (the old
+    way) asked ``b`` for 5 and gave the client 9 (a user trial saw ``completion_tokens`` above
+    ``max_tokens`` on a migrated stream)."""
+    path, body = KINDS[kind]
+    body = {**body, "max_tokens": 7}
+
+    async def main():
+        async with fleet(InProcessRouter, "ab", {"tokens_per_chunk": 2}) as (s, r, (a, b)):
+            a.die(after=die_after_events(kind, 2))
+            status, raw = await post(s, r.url, path, body)
+            assert status == 200, raw
+            got = read_answer(kind, raw)
+            assert got["errors"] == [] and got["text"] == "".join(SCRIPT[:7]), got
+            assert got["finish"] == ["length"] and got["done"] == 1, got
+            assert got["usage"] == [(PROMPT_TOKENS, 7, PROMPT_TOKENS + 7)], got
+            assert b.bodies[0][1]["max_tokens"] == 3
+            # both workers were asked for the usage in every chunk
+            for w in (a, b):
+                assert w.bodies[0][1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+            await settled(s, r)
+
+    run(main)
+
+
+def _usage_shapes(raw: bytes) -> tuple[int, int, list]:
+    """(chunks with choices that carry a usage, chunks with choices, usage of the usage-only chunks)."""
+    with_usage = with_choices = 0
+    alone = []
+    for e in events(raw):
+        if e == "[DONE]":
+            continue
+        obj = json.loads(e)
+        if obj.get("choices"):
+            with_choices += 1
+            with_usage += "usage" in obj
+        else:
+            u = obj["usage"]
+            alone.append((u["prompt_tokens"], u["completion_tokens"]))
+    return with_usage, with_choices, alone
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("migrates", [False, True])
+@pytest.mark.parametrize("asked", ["nothing", "include_usage", "continuous"])
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_the_client_gets_only_the_usage_it_asked_for(kind, asked, migrates, InProcessRouter):
+    """The router asks every worker for the usage in every chunk; the client sees what it asked for:
+    nothing (no ``usage`` anywhere, no usage-only chunk), the last chunk (``include_usage``), or the
+    usage in every chunk too (``continuous_usage_stats``), with and without a migration."""
+    path, body = KINDS[kind]
+    body = {k: v for k, v in body.items() if k != "stream_options"}
+    if asked == "include_usage":
+        body["stream_options"] = {"include_usage": True}
+    elif asked == "continuous":
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+
+    async def main():
+        async with fleet(InProcessRouter, "ab") as (s, r, (a, b)):
+            if migrates:
+                a.die(after=die_after_events(kind, DIE_AFTER_TOKENS))
+            status, raw = await post(s, r.url, path, body)
+            assert status == 200, raw
+            got = read_answer(kind, raw)
+            assert got["text"] == FULL and got["errors"] == [], got
+            with_usage, with_choices, alone = _usage_shapes(raw)
+            assert with_usage == (with_choices if asked == "continuous" else 0), raw.decode()
+            assert alone == ([] if asked == "nothing" else [(PROMPT_TOKENS, len(SCRIPT))]), raw.decode()
+            assert a.bodies[0][1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+            assert bool(b.bodies) == migrates
+            await settled(s, r)
 
     run(main)
