@@ -33,7 +33,8 @@ for is taken out again before the events reach it: ``usage`` in the chunks that 
 the client set ``continuous_usage_stats``, and the usage-only chunk at the end unless it set
 ``include_usage``.  A chunk can hold several tokens (``--stream-interval`` above 1) or a token with
 no text (half of a UTF-8 character), so counting chunks would be wrong; only when a worker ignores
-the field are the tokens counted as one per chunk that carried text.
+the field are the tokens counted as one per chunk that carried text.  A ``stream_options`` the worker
+would refuse is sent as the client wrote it (the client gets the worker's 400).
 
 How the later worker's events are rewritten: ``id`` and ``created`` (``meta_info.id`` for
 ``/generate``) become the first worker's; ``/generate``'s cumulative ``text`` and
@@ -217,11 +218,14 @@ class Migration:
         self.usage_sent = self.done = self.role_sent = False
         self.usable = True  # False once tool calls or reasoning were streamed
         so = body.get("stream_options")
+        valid = so is None or (type(so) is dict and all(
+            so.get(k) is None or type(so.get(k)) is bool for k in ("include_usage", "continuous_usage_stats")))
         so = so if type(so) is dict else {}
         self.want_usage = so.get("include_usage") is True
-        # the usage in every chunk: asked of the worker (exact token counts), taken out where the client did not ask
+        # the usage in every chunk: asked of the worker (exact token counts), taken out where the client did not ask.
+        # A stream_options the worker would refuse is left as it is, so the client gets the worker's 400
         self.want_chunk_usage = self.want_usage and so.get("continuous_usage_stats") is True
-        self.stream_options = None if path == GENERATE or self.want_chunk_usage else {
+        self.stream_options = None if path == GENERATE or self.want_chunk_usage or not valid else {
             **so, "include_usage": True, "continuous_usage_stats": True}
         # the answer when the current worker took over (its events are relative to this)
         self.rewriting = False
@@ -233,12 +237,22 @@ class Migration:
         self.stays = False  # its worker was removed but the stream could not move: it finishes there
         self.tried: list[Worker] = []  # the workers this answer was on or offered to (by resume)
 
-    def upstream_body(self) -> bytes | None:
-        """The body to send the first worker in place of the client's (None: the client's as is): its
-        ``stream_options`` ask for the usage in every chunk, so the answer's token count is exact."""
-        if self.stream_options is None:
+    def upstream_body(self, raw: bytes) -> bytes | None:
+        """The body to send the first worker in place of the client's ``raw`` bytes (None: ``raw`` as is):
+        its ``stream_options`` ask for the usage in every chunk, so the answer's token count is exact.
+
+        Without a ``stream_options`` of the client's the field is put first into ``raw``, which is otherwise
+        sent byte for byte (a number JSON parsers would round, such as an integer past 64 bits, stays as
+        the client wrote it); with one, the body is written anew from the parsed one."""
+        so = self.stream_options
+        if so is None:
             return None
-        return orjson.dumps({**self.body, "stream_options": self.stream_options})
+        if "stream_options" not in self.body:
+            i = raw.index(b"{") + 1
+            rest = raw[i:]
+            return (raw[:i] + b'"stream_options":' + orjson.dumps(so) + (b"" if rest.strip() == b"}" else b",")
+                    + rest)
+        return orjson.dumps({**self.body, "stream_options": so})
 
     def _unasked(self, obj) -> bool | None:
         """For a chunk that carries usage the router asked for: True to drop it (the usage-only chunk the

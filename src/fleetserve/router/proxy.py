@@ -187,7 +187,7 @@ async def _forward(router: Router, request: Request, path: str, text, stream: bo
     mig = migration.start(router, path, parsed, text, headers, session) if stream and parsed is not None else None
     raw = request.body  # what goes upstream (a migratable stream asks for the usage in every chunk)
     if mig is not None:
-        raw = mig.upstream_body() or raw
+        raw = mig.upstream_body(raw) or raw
     tree = getattr(policy, "tree", None)  # cache_aware, kv_aware: a refused request's entry is taken back
     tried: list[Worker] = []
     failure: Response | None = None

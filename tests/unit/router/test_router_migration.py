@@ -777,3 +777,63 @@ def test_the_client_gets_only_the_usage_it_asked_for(kind, asked, migrates, InPr
             await settled(s, r)
 
     run(main)
+
+
+ASKED = {"include_usage": True, "continuous_usage_stats": True}
+
+
+@pytest.mark.parametrize("raw, expect", [
+    # no stream_options: put first, the rest byte for byte (an integer past 64 bits is not rounded)
+    (b'{"model":"m","prompt":"hi","stream":true,"seed":123456789012345678901234567890}',
+     b'{"stream_options":{"include_usage":true,"continuous_usage_stats":true},"model":"m","prompt":"hi",'
+     b'"stream":true,"seed":123456789012345678901234567890}'),
+    (b' {"prompt":"hi"} ', b' {"stream_options":{"include_usage":true,"continuous_usage_stats":true},"prompt":"hi"} '),
+])
+def test_the_first_workers_body_keeps_the_clients_bytes(raw, expect):
+    from fleetserve.router.migration import Migration
+
+    body = json.loads(raw)
+    mig = Migration(None, "/v1/completions", body, None, b"", 1)
+    out = mig.upstream_body(raw)
+    assert out == expect
+    assert json.loads(out) == {**body, "stream_options": ASKED}
+
+
+@pytest.mark.parametrize("so, sent", [
+    (None, ASKED),  # null: written anew, so no later null wins over it
+    ({"include_usage": True}, ASKED),
+    ({"include_usage": False, "continuous_usage_stats": True}, ASKED),
+    ({"include_usage": True, "extra": 1}, {**ASKED, "extra": 1}),
+    ({"include_usage": True, "continuous_usage_stats": True}, "as is"),  # the client asked for it all
+    ("x", "as is"), ([], "as is"), ({"include_usage": 1}, "as is"),  # the worker's 400 is the client's answer
+    ({"include_usage": True, "continuous_usage_stats": "true"}, "as is"),
+])
+def test_the_clients_stream_options_are_added_to_or_left_for_the_worker_to_refuse(so, sent):
+    """A user trial saw ``stream_options: "x"`` answered 200 through the router (the options replaced) where
+    the worker answers 400: a value the worker would refuse is now sent as the client wrote it."""
+    from fleetserve.router.migration import Migration
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = {"model": "m", "stream": True, "stream_options": so}
+        raw = json.dumps(body).encode()
+        out = Migration(None, path, body, None, b"", 1).upstream_body(raw)
+        if sent == "as is":
+            assert out is None
+        else:
+            assert json.loads(out) == {**body, "stream_options": sent}
+    body = {"text": "hi", "stream": True}
+    assert Migration(None, "/generate", body, None, b"", 1).upstream_body(json.dumps(body).encode()) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_options_the_worker_would_refuse_reaches_it_unchanged(InProcessRouter):
+    path, body = KINDS["completions"]
+    body = {**body, "stream_options": {"include_usage": 1}}
+
+    async def main():
+        async with fleet(InProcessRouter, "a") as (s, r, (a,)):
+            status, raw = await post(s, r.url, path, body)
+            assert a.bodies[0][1]["stream_options"] == {"include_usage": 1}
+            await settled(s, r)
+
+    run(main)
