@@ -90,6 +90,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from .auth import swap_credential_lines
+from .body_fields import put_first
 from .http.client import UpstreamError
 from .route_header import route_of
 
@@ -248,10 +249,7 @@ class Migration:
         if so is None:
             return None
         if "stream_options" not in self.body:
-            i = raw.index(b"{") + 1
-            rest = raw[i:]
-            return (raw[:i] + b'"stream_options":' + orjson.dumps(so) + (b"" if rest.strip() == b"}" else b",")
-                    + rest)
+            return put_first(raw, b"stream_options", orjson.dumps(so))
         return orjson.dumps({**self.body, "stream_options": so})
 
     def _unasked(self, obj) -> bool | None:

@@ -90,6 +90,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ..body_fields import put_first
 from ..radix_tree import RadixTree
 from ..route_header import CHARS_PER_TOKEN, HEADER, format_route
 from ..routing_text import ids_text
@@ -201,10 +202,7 @@ def names_client_rank(headers: bytes) -> bool:
 
 def with_dp_rank(body: bytes, rank: int) -> bytes:
     """The JSON object ``body`` with ``"routed_dp_rank": rank`` added first (a client's own value, later, wins)."""
-    i = body.index(b"{") + 1
-    rest = body[i:]
-    sep = b"" if rest.strip() == b"}" else b","
-    return b'{"routed_dp_rank":%d' % rank + sep + rest
+    return put_first(body, b"routed_dp_rank", b"%d" % rank)
 
 
 def _has_tools(body: dict) -> bool:
