@@ -140,3 +140,55 @@ def test_a_chat_with_an_image_part_has_no_ids(smollm2_dir):
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                       {"type": "image_url", "image_url": {"url": "x"}}]}]}
     assert RouterTokenizer(smollm2_dir).request_ids("/v1/chat/completions", body) is None
+
+
+def test_the_chat_template_is_compiled_at_start_not_on_the_first_request(smollm2_dir, engine_tokenizer,
+                                                                        monkeypatch):
+    """Compiling SmolLM2's template took ~30 ms, paid on the event loop by the first chat request after
+    start-up (a closed-loop run's first wave waited for it: kv_aware's TTFT p99 above cache_aware's)."""
+    from fleetserve.router.kv_events import tokenize
+
+    rt = tokenize.RouterTokenizer(smollm2_dir)
+    assert rt.template_error is None
+
+    def no_compiling():
+        raise AssertionError("the chat template was compiled on a request")
+
+    monkeypatch.setattr(tokenize, "_environment", no_compiling)
+    messages = CHATS[1]
+    text = engine_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rt.request_ids("/v1/chat/completions", {"messages": messages}) == engine_tokenizer.encode(
+        text, add_special_tokens=False)
+
+
+def test_a_template_that_does_not_compile_is_said_once_and_chats_go_by_text(smollm2_dir, tmp_path, caplog):
+    import asyncio
+    import logging
+    import shutil
+
+    from fleetserve.router.config import parse_args
+    from fleetserve.router.kv_events.flags import make_kv_aware
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(os.path.join(smollm2_dir, "tokenizer.json"), folder / "tokenizer.json")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    with caplog.at_level(logging.WARNING, logger="fleetserve.router"):
+        policy = make_kv_aware(parse_args(["--policy", "kv_aware", "--tokenizer-path", str(folder)]))
+        started = [r.getMessage() for r in caplog.records]
+        assert len(started) == 1
+        assert started[0].startswith(f"--tokenizer-path {folder}: the chat template does not compile: "
+                                     "TemplateSyntaxError")
+        assert started[0].endswith("chat requests are routed on their text (branch=fallback reason=text)")
+        caplog.clear()
+
+        async def keys():
+            chat = await policy.prepare("/v1/chat/completions", {"messages": CHATS[0]}, "x")
+            completion = await policy.prepare("/v1/completions", {"prompt": "Once upon a time"}, "y")
+            return chat, completion
+
+        for _ in range(3):
+            chat, completion = asyncio.run(keys())
+            assert chat.tokens is None and not chat.tokenized  # routed on its text
+            assert completion.tokens == policy.tokenizer.encode("Once upon a time") and completion.tokenized
+        assert caplog.records == []  # nothing said per request

@@ -8,6 +8,7 @@ flag names (and defaults); the ``--kv-*`` ones are ours.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 
@@ -117,6 +118,10 @@ def make_kv_aware(cfg):
         tok = RouterTokenizer(cfg.tokenizer_path, l0_max_entries=l0) if cfg.tokenizer_path else None
     except ValueError as e:  # e.g. a file that is no tokenizer.json
         raise ValueError(f"--tokenizer-path {cfg.tokenizer_path}: {e}") from None
+    if tok is not None and tok.template_error:  # said once here, not once per chat request
+        logging.getLogger("fleetserve.router").warning(
+            "--tokenizer-path %s: %s; chat requests are routed on their text (branch=fallback reason=text)",
+            cfg.tokenizer_path, tok.template_error)
     return KvAwarePolicy(cfg.kv_prefill_weight, cfg.kv_load_weight, cfg.kv_speculative_ttl_secs,
                          cfg.kv_index_max_blocks, cfg.dp_aware, tok, route_header=not cfg.no_route_header,
                          overflow_weight=cfg.kv_overflow_weight, queue_weight=cfg.kv_queue_weight,

@@ -110,7 +110,15 @@ class RouterTokenizer:
             named = {t.get("name"): t.get("template") for t in cfg["chat_template"] if isinstance(t, dict)}
             template = named.get("default")
         self.chat_template = template
+        # compiled here, not on the first chat request: jinja2 takes ~30 ms to compile SmolLM2's
+        # template, which the first requests after start-up waited for on the event loop
         self._compiled = None
+        self.template_error: str | None = None  # why the template cannot be used, when it cannot
+        if template:
+            try:
+                self._compiled = _environment().from_string(template)
+            except Exception as e:  # jinja2.TemplateSyntaxError and kin: chat requests are then routed on their text
+                self.template_error = f"the chat template does not compile: {type(e).__name__}: {e}"
 
     # ------------------------------------------------------------ encoding
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -146,7 +154,7 @@ class RouterTokenizer:
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template")
         if self._compiled is None:
-            self._compiled = _environment().from_string(self.chat_template)
+            raise ValueError(self.template_error)
         ctx = {k: v for k, v in self.special.items() if v is not None}
         ctx.update(extra or {})
         ctx.update(messages=messages, add_generation_prompt=add_generation_prompt and not continue_final_message)
