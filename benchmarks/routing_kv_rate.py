@@ -23,6 +23,10 @@ Open loop: arrivals never wait for an answer. shared_prefix is open loop as it i
 multi_turn with synthetic replies is made open loop by dropping the ``after`` link
 (:func:`open_loop`): the history is fixed in advance, so turn t + 1 may arrive before
 turn t has finished (it then misses the cache the earlier turn would have left).
+``--mt-wait-reply`` keeps the link instead: a turn is sent at its arrival time or when the
+previous turn's answer has ended, whichever is later, as a chat user would; over capacity
+the arrivals then slow down with the answers, so the table's req/s and window say what
+was offered.
 
 Turn-major multi_turn (every first turn, then every second turn, ...) is not a steady
 stream: the first quarter is all misses. ``--mt-stagger G`` (:func:`stagger`) interleaves
@@ -379,7 +383,10 @@ def rate_part(a: argparse.Namespace) -> None:
         wait_healthy(urls, [wp], 180)
         bargs0 = bench_cli.build_parser().parse_args(
             [*rk.workload_argv(wname, a), "--seed", str(a.seed), "--time-scale", str(a.time_scale)])
-        reqs0 = open_loop(bench_cli.workload_from_args(bargs0))
+        reqs0 = bench_cli.workload_from_args(bargs0)
+        if not (wname == "multi_turn" and a.mt_wait_reply):
+            reqs0 = open_loop(reqs0)
+        res["wait_reply"] = bool(wname == "multi_turn" and a.mt_wait_reply)
         if wname == "multi_turn":
             reqs0 = stagger(reqs0, a.mt_stagger)
         res["requests"] = len(reqs0)
@@ -535,8 +542,10 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
           f"{a.question_len} tokens)" if res["workload"] == "shared_prefix" else
           f"multi_turn {a.conversations} conversations x {a.turns} turns"
           + (f" (a {a.mt_system_len}-token system prompt of each conversation's own)" if a.mt_system_len else "")
-          + f", {a.question_len}-token user turns, synthetic answers, open loop (a turn does not wait for the "
-          "previous answer)"
+          + f", {a.question_len}-token user turns, synthetic answers, "
+          + ("each turn sent at its arrival time or when the previous turn's answer has ended, whichever is "
+             "later (`--mt-wait-reply`: a user waits for the reply; over capacity the arrivals slow down)"
+             if res.get("wait_reply") else "open loop (a turn does not wait for the previous answer)")
           + (f", staggered (`--mt-stagger {res['stagger']}`: conversation c's turn t in arrival slot c + t x "
              f"{res['stagger']}, so every stretch of the stream holds all turns alike)" if res.get("stagger") else
              ", turn-major (every first turn, then every second turn, ...)"))
@@ -624,6 +633,9 @@ def add_arguments(k: argparse.ArgumentParser) -> None:
                    help="table: runs of every (rate, router) cell, interleaved (the router order alternates)")
     g.add_argument("--mt-stagger", type=int, default=0,
                    help="multi_turn: conversation c's turn t in arrival slot c + t x this (0: turn-major); see stagger()")
+    g.add_argument("--mt-wait-reply", action="store_true",
+                   help="multi_turn: a turn waits for the previous turn's answer to end (sent at its arrival time "
+                        "or then, whichever is later), as a user does; default: open loop (see open_loop())")
     g.add_argument("--window-marks", type=float, nargs="+", default=[],
                    help="table: also cut every run at these shares of its arrival window (ascending, in (0, 1], "
                         "e.g. 0.33 0.67 1): backlog and TTFT p90 against the window length; see window_figures()")

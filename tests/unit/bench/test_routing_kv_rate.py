@@ -118,6 +118,12 @@ def test_stagger_puts_turn_t_of_conversation_c_in_slot_c_plus_t_gap(rr):
         rr.stagger(reqs, -1)
     with pytest.raises(ValueError, match="g0-p0"):
         rr.stagger([r for r in workloads.shared_prefix(1, 2, 4, 2, 2) if r.rid == "g0-p0"], 2)
+    # --mt-wait-reply staggers the requests as generated: each turn keeps its link to the one before
+    linked = rr.stagger(workloads.multi_turn(num_conversations=6, num_turns=3, question_len=2, output_len=2,
+                                             replies="synthetic"), 2)
+    assert [r.rid for r in linked] == [r.rid for r in st]
+    assert {r.rid: r.after for r in linked if r.meta["turn"]} == {
+        f"c{c}-t{t}": f"c{c}-t{t - 1}" for c in range(6) for t in (1, 2)}
 
 
 def _row(label, rate, rep, p90, hit=0.5):
