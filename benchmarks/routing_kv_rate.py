@@ -559,9 +559,13 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
             + ("every direct request of a conversation to one worker drawn for it (`--foreign-by conversation`)"
                if getattr(a, "foreign_by", "request") == "conversation" else "each to a random one"))
            if res["direct_share"] else "")
-        + f". Workload: {wl}, {a.output_len} output tokens, {res['requests']} requests per run, open-loop Poisson "
-        "arrivals (seed 0; the same requests and the same arrival shape at every rate, times scaled by 1 / rate). "
-        "Every run starts with flushed worker caches and fresh routers. cache_aware: sgl-router's default "
+        + f". Workload: {wl}, {a.output_len} output tokens, {res['requests']} requests per run, "
+        + ("Poisson arrival times (seed 0; the same requests and the same arrival shape at every rate, times scaled "
+           "by 1 / rate; a later turn goes at its time or after the previous answer, as above). "
+           if res.get("wait_reply") else
+           "open-loop Poisson arrivals (seed 0; the same requests and the same arrival shape at every rate, times "
+           "scaled by 1 / rate). ")
+        + "Every run starts with flushed worker caches and fresh routers. cache_aware: sgl-router's default "
         "thresholds (cache 0.3, balance abs 64 / rel 1.5); kv_aware: its defaults. "
         "**bound**: the hit rate of one infinite page-16 radix cache over the same requests in arrival order "
         "(no router can beat it); **own-worker bound** (with direct traffic): the same, except that a direct "
