@@ -384,9 +384,9 @@ def rate_part(a: argparse.Namespace) -> None:
         bargs0 = bench_cli.build_parser().parse_args(
             [*rk.workload_argv(wname, a), "--seed", str(a.seed), "--time-scale", str(a.time_scale)])
         reqs0 = bench_cli.workload_from_args(bargs0)
-        if not (wname == "multi_turn" and a.mt_wait_reply):
+        res["wait_reply"] = wname == "multi_turn" and a.mt_wait_reply  # each turn keeps its `after` link
+        if not res["wait_reply"]:
             reqs0 = open_loop(reqs0)
-        res["wait_reply"] = bool(wname == "multi_turn" and a.mt_wait_reply)
         if wname == "multi_turn":
             reqs0 = stagger(reqs0, a.mt_stagger)
         res["requests"] = len(reqs0)
