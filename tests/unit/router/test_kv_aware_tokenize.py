@@ -1,5 +1,6 @@
 """Router-side tokenization: the same ids as the engine's tokenizer (transformers), without torch."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -177,7 +178,8 @@ def test_a_template_that_does_not_compile_is_said_once_and_chats_go_by_text(smol
         policy = make_kv_aware(parse_args(["--policy", "kv_aware", "--tokenizer-path", str(folder)]))
         started = [r.getMessage() for r in caplog.records]
         assert len(started) == 1
-        assert started[0].startswith(f"--tokenizer-path {folder}: the chat template does not compile: "
+        assert started[0].startswith(f"--tokenizer-path {folder}: the chat template in "
+                                     f"{folder / 'chat_template.jinja'} does not compile (line 1): "
                                      "TemplateSyntaxError")
         assert started[0].endswith("chat requests are routed on their text (branch=fallback reason=text)")
         caplog.clear()
@@ -192,3 +194,85 @@ def test_a_template_that_does_not_compile_is_said_once_and_chats_go_by_text(smol
             assert chat.tokens is None and not chat.tokenized  # routed on its text
             assert completion.tokens == policy.tokenizer.encode("Once upon a time") and completion.tokenized
         assert caplog.records == []  # nothing said per request
+
+
+def _tok_dir(smollm2_dir, tmp_path, name, template=None, config=None):
+    import json
+    import shutil
+
+    folder = tmp_path / name
+    folder.mkdir()
+    shutil.copy(os.path.join(smollm2_dir, "tokenizer.json"), folder / "tokenizer.json")
+    if template is not None:
+        (folder / "chat_template.jinja").write_bytes(template)
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config) if not isinstance(config, str) else config)
+    return folder
+
+
+@pytest.mark.parametrize("case, template, config, said", [
+    ("not UTF-8", b"\xff\xfe{{ messages }}", None, "cannot read {jinja}: 'utf-8' codec can't decode"),
+    ("empty file", b"  \n", None, "{jinja} is empty"),
+    ("no default among named", None, {"chat_template": [{"name": "tool_use", "template": "{{ 1 }}"}]},
+     "the chat templates in {cfg} have none named 'default'"),
+    ("empty string", None, {"chat_template": ""}, "no chat template (no chat_template.jinja, none in {cfg})"),
+    ("unknown filter", b"{{ messages | nosuchfilter }}", None,
+     "the chat template in {jinja} does not compile (line 1): TemplateAssertionError: No filter named "
+     "'nosuchfilter'; chat requests"),
+])
+def test_a_chat_template_the_router_cannot_use_is_one_warning_and_the_router_starts(
+        smollm2_dir, tmp_path, caplog, case, template, config, said):
+    """A user trial: a non-UTF-8 chat_template.jinja stopped the router from starting; a missing, empty or
+    unnamed template routed every chat on its text without a word."""
+    from fleetserve.router.config import parse_args
+    from fleetserve.router.kv_events.flags import make_kv_aware
+
+    folder = _tok_dir(smollm2_dir, tmp_path, "t", template, config)
+    with caplog.at_level(logging.WARNING, logger="fleetserve.router"):
+        policy = make_kv_aware(parse_args(["--policy", "kv_aware", "--tokenizer-path", str(folder)]))
+    said = said.format(jinja=folder / "chat_template.jinja", cfg=folder / "tokenizer_config.json")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(f"--tokenizer-path {folder}: "), lines
+    assert said in lines[0], lines[0]
+    assert policy.tokenizer.request_ids("/v1/chat/completions", {"messages": CHATS[0]}) is None
+    assert policy.tokenizer.request_ids("/v1/completions", {"prompt": "a b"}) == policy.tokenizer.encode("a b")
+
+
+def test_a_template_that_refuses_a_chat_is_said_once(smollm2_dir, tmp_path, caplog):
+    folder = _tok_dir(smollm2_dir, tmp_path, "r", b"{{ raise_exception('only tool chats here') }}")
+    from fleetserve.router.kv_events.tokenize import RouterTokenizer
+
+    rt = RouterTokenizer(str(folder))
+    assert rt.template_error is None  # it compiles
+    with caplog.at_level(logging.WARNING, logger="fleetserve.router"):
+        for _ in range(3):
+            assert rt.request_ids("/v1/chat/completions", {"messages": CHATS[0]}) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "kv_aware: a chat did not fit the chat template (ValueError: only tool chats here); such chats are "
+        "routed on their text (branch=fallback reason=text; said once)"]
+
+
+@pytest.mark.parametrize("config, said", [("[1, 2]", "holds a JSON list, not an object"),
+                                          ("{not json", "cannot read {cfg}: Expecting property name")])
+def test_a_bad_tokenizer_config_is_one_line_naming_the_file(smollm2_dir, tmp_path, capsys, config, said):
+    from fleetserve.router import cli
+
+    folder = _tok_dir(smollm2_dir, tmp_path, "c", config=config)
+    assert cli.main(["--port", "0", "--policy", "kv_aware", "--tokenizer-path", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fleetserve router: error: --tokenizer-path {folder}: "), err
+    assert said.format(cfg=folder / "tokenizer_config.json") in err[0] and "tokenizer_config.json" in err[0]
+
+
+def test_text_size_counts_content_parts():
+    """A user trial: a 5 M-character chat sent as content parts was tokenized (2.5 s a request) while the
+    same text as a string was routed on its text; the size limit now sees the parts' texts."""
+    from fleetserve.router.kv_events.tokenize import text_size
+
+    parts = {"messages": [{"role": "system", "content": "abc"},
+                          {"role": "user", "content": [{"type": "text", "text": "x" * 100},
+                                                       {"type": "text", "text": "yz"}]}]}
+    assert text_size("/v1/chat/completions", parts) == 105
+    parts["messages"][1]["content"].append({"type": "image_url", "image_url": {"url": "u"}})
+    assert text_size("/v1/chat/completions", parts) is None  # no ids to compute (template_chat)
+    assert text_size("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}) is None

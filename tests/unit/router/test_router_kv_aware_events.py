@@ -461,6 +461,11 @@ async def test_a_prompt_over_the_tokenize_limit_is_routed_on_its_text(start_app,
             assert [m.getMessage() for m in caplog.records if "routed on its text" in m.getMessage()] == [
                 "kv_aware: a prompt of 12000 characters, over the 10000 this router tokenizes, is routed on its "
                 "text (branch=fallback reason=text; 1 so far)"]
+            # the same size as a chat's content parts (a user trial: those were tokenized whatever their size)
+            chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello " * 1_000}] * 2}]}
+            async with s.post(r.url + "/v1/chat/completions", json=chat) as resp:  # (this test worker: 404)
+                assert "reason=text" in resp.headers["x-fleetserve-route"], resp.headers["x-fleetserve-route"]
+            assert r.router.policy.too_long == 2
     finally:
         for rn in runners:
             await rn.cleanup()

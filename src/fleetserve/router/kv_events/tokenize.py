@@ -46,6 +46,7 @@ policy routes it on its text.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from datetime import datetime
@@ -59,6 +60,7 @@ INLINE_MAX_CHARS = 8192  # longer texts are tokenized on a thread (see the modul
 # every model's context but the longest; tokenizing 12 MB took ~7 s of a core, and the body limit is 512 MiB
 MAX_TOKENIZE_CHARS = 1 << 22
 _CONTEXT_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+log = logging.getLogger("fleetserve.router")
 
 
 def _token_text(v) -> str | None:
@@ -96,29 +98,27 @@ class RouterTokenizer:
         cfg = {}
         cfg_file = os.path.join(folder, "tokenizer_config.json")
         if os.path.isfile(cfg_file):
-            with open(cfg_file, encoding="utf-8") as f:
-                cfg = json.load(f)
+            try:
+                with open(cfg_file, encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except ValueError as e:  # invalid JSON or UTF-8
+                raise ValueError(f"cannot read {cfg_file}: {e}") from None
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{cfg_file} holds a JSON {type(cfg).__name__}, not an object")
         self.special = {k: _token_text(cfg.get(k)) for k in _CONTEXT_TOKENS}
-        template = None
-        jinja_file = os.path.join(folder, "chat_template.jinja")
-        if os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                template = f.read()
-        elif isinstance(cfg.get("chat_template"), str):
-            template = cfg["chat_template"]
-        elif isinstance(cfg.get("chat_template"), list):  # named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in cfg["chat_template"] if isinstance(t, dict)}
-            template = named.get("default")
+        template, where, self.template_error = _chat_template(folder, cfg, cfg_file)
         self.chat_template = template
         # compiled here, not on the first chat request: jinja2 takes ~30 ms to compile SmolLM2's
         # template, which the first requests after start-up waited for on the event loop
         self._compiled = None
-        self.template_error: str | None = None  # why the template cannot be used, when it cannot
         if template:
             try:
                 self._compiled = _environment().from_string(template)
             except Exception as e:  # jinja2.TemplateSyntaxError and kin: chat requests are then routed on their text
-                self.template_error = f"the chat template does not compile: {type(e).__name__}: {e}"
+                line = getattr(e, "lineno", None)
+                self.template_error = (f"the chat template in {where} does not compile"
+                                       f"{f' (line {line})' if line else ''}: {type(e).__name__}: {str(e).rstrip('.')}")
+        self._misfit_said = False  # a chat that did not fit the template is said once (render_chat)
 
     # ------------------------------------------------------------ encoding
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -151,8 +151,6 @@ class RouterTokenizer:
     def render_chat(self, messages: list, tools=None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, extra: dict | None = None) -> str:
         """The chat template applied to ``messages``; raises ``ValueError`` without a template or on a misfit."""
-        if not self.chat_template:
-            raise ValueError("the tokenizer has no chat template")
         if self._compiled is None:
             raise ValueError(self.template_error)
         ctx = {k: v for k, v in self.special.items() if v is not None}
@@ -163,6 +161,10 @@ class RouterTokenizer:
         try:
             text = self._compiled.render(**ctx)
         except Exception as e:  # jinja2 TemplateError, or raise_exception() from the template
+            if not self._misfit_said:  # a template that refuses every chat would otherwise go unnoticed
+                self._misfit_said = True
+                log.warning("kv_aware: a chat did not fit the chat template (%s: %s); such chats are routed on "
+                            "their text (branch=fallback reason=text; said once)", type(e).__name__, e)
             raise ValueError(f"messages do not fit the chat template: {e}") from None
         if continue_final_message and messages and isinstance(messages[-1].get("content"), str):
             # as transformers: cut the rendered text after the final message's content
@@ -214,6 +216,27 @@ class RouterTokenizer:
         return None, None
 
 
+def _chat_template(folder: str, cfg: dict, cfg_file: str) -> tuple[str | None, str | None, str | None]:
+    """``(template, where it was found, why there is none usable)``: ``chat_template.jinja`` in ``folder``,
+    else the config's ``chat_template`` (a string, or the ``"default"`` of a list of named ones)."""
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        try:
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, ValueError) as e:  # e.g. not UTF-8
+            return None, jinja_file, f"cannot read {jinja_file}: {e}"
+        return (template, jinja_file, None) if template.strip() else (None, jinja_file, f"{jinja_file} is empty")
+    named = cfg.get("chat_template")
+    if isinstance(named, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in named if isinstance(t, dict)}.get("default")
+        if not isinstance(named, str):
+            return None, cfg_file, f"the chat templates in {cfg_file} have none named 'default'"
+    if isinstance(named, str) and named.strip():
+        return named, cfg_file, None
+    return None, None, f"no chat template (no chat_template.jinja, none in {cfg_file})"
+
+
 def template_chat(messages) -> list[dict] | None:
     """``messages`` as the engine hands them to the chat template: a list of text parts becomes their
     texts joined by newlines, a null content an empty one, and a ``developer`` message a ``system`` one, as
@@ -244,8 +267,8 @@ def template_chat(messages) -> list[dict] | None:
 
 def text_size(path: str, body: dict) -> int | None:
     """Characters of the text a request would have tokenized: its string ``prompt`` / ``text``, or the
-    sum of its chat messages' string contents; None when that is not known without rendering (content
-    parts, no messages list) or there is no text to tokenize."""
+    sum of its chat messages' string contents and text parts; None when that is not known without rendering
+    (no messages list), or there is no text to tokenize (a part that is not text gives a chat no ids)."""
     if path == "/v1/chat/completions":
         msgs = body.get("messages")
         if not isinstance(msgs, list):
@@ -253,9 +276,15 @@ def text_size(path: str, body: dict) -> int | None:
         size = 0
         for m in msgs:
             c = m.get("content") if isinstance(m, dict) else None
-            if c is not None and not isinstance(c, str):
+            if isinstance(c, list):  # content parts: their texts (template_chat gives no ids for any other part)
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in c):
+                    return None
+                size += sum(len(p["text"]) for p in c)
+            elif c is not None and not isinstance(c, str):
                 return None
-            size += len(c or "")
+            else:
+                size += len(c or "")
         return size
     prompt = body.get("prompt") if path == "/v1/completions" else body.get("text")
     return len(prompt) if isinstance(prompt, str) else None
