@@ -15,6 +15,13 @@ Each class gets its count and its hit rate (cached over prompt tokens).  A route
 keeps ``routed after routed: moved`` small; the direct classes show what traffic past the router does
 to a conversation's cache, whichever router is in front.
 
+A second table (:func:`shortfalls`) compares, for every routed request, the cached tokens the router
+predicted (its ``x-fleetserve-route`` header's ``cached_tokens``) with what the worker found: how many
+found less than predicted, and how many tokens they lost.  For ``kv_aware`` under a backlog that is
+mostly a prefix the worker held at the decision and evicted while the request waited in its queue (the
+prediction was right when made), so it tells a run that lost its cache in the queues from one whose
+decisions differed; for ``cache_aware`` it also counts its approximate tree's drift.
+
 Usage::
 
     python benchmarks/routing_kv_moves.py /tmp/fpin2/r5-request
@@ -29,6 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 _RID = re.compile(r"c(\d+)-t(\d+)$")
+_PREDICTED = re.compile(r"(?:^|; )cached_tokens=(\d+)(?:;|$)")
 
 
 def classify(records: list[dict]) -> dict[str, tuple[int, int, int]]:
@@ -74,26 +82,67 @@ def classify(records: list[dict]) -> dict[str, tuple[int, int, int]]:
     return {k: (v[0], v[1], v[2]) for k, v in sorted(out.items())}
 
 
-def read_records(f: Path) -> dict[str, tuple[int, int, int]]:
-    """:func:`classify` of one dump file; raises ValueError naming the file on anything it cannot read."""
+def shortfalls(records: list[dict]) -> tuple[int, int, int, int, int]:
+    """``(predicted, predicted tokens, short, short tokens, found tokens)`` over the routed requests.
+
+    ``predicted``: served routed requests whose ``route`` (the ``x-fleetserve-route`` header) names a
+    ``cached_tokens`` figure; ``predicted tokens``: the sum of those figures; ``short``: the requests
+    whose worker found fewer cached tokens (``cached``) than that; ``short tokens``: the sum of
+    ``predicted - cached`` over them; ``found tokens``: the sum of ``cached`` over the predicted
+    requests.  Direct, failed (``worker`` null) and unpredicted (``cached_tokens=-``) requests are
+    left out.  Raises KeyError on a record without ``direct`` or ``cached``."""
+    n = pred_sum = short = lost = found = 0
+    for r in records:
+        if r.get("worker") is None or r["direct"]:
+            continue
+        m = _PREDICTED.search(r.get("route") or "")
+        if m is None:
+            continue
+        p, c = int(m[1]), r["cached"]
+        n += 1
+        pred_sum += p
+        found += c
+        if c < p:
+            short += 1
+            lost += p - c
+    return n, pred_sum, short, lost, found
+
+
+def _load(f: Path) -> list:
+    records = json.loads(f.read_text())
+    if not isinstance(records, list):
+        raise ValueError("not a list of request records")
+    return records
+
+
+def _named(f: Path, fn):
+    """``fn(records of f)``; raises ValueError naming the file on anything it cannot read."""
     try:
-        records = json.loads(f.read_text())
-        if not isinstance(records, list):
-            raise ValueError("not a list of request records")
-        return classify(records)
+        return fn(_load(f))
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # json's errors are ValueErrors
         what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise ValueError(f"{f}: {what}") from None
 
 
+def read_records(f: Path) -> dict[str, tuple[int, int, int]]:
+    """:func:`classify` of one dump file; raises ValueError naming the file on anything it cannot read."""
+    return _named(f, classify)
+
+
 def table(files: list[Path]) -> str:
-    """Markdown: one row per (file, class)."""
+    """Markdown: one row per (file, class), then one row per file of :func:`shortfalls`."""
     lines = ["| run | class | turns | hit rate |", "|---|---|---|---|"]
     for f in files:
         run = f.stem.removeprefix("requests-")
         for name, (n, cached, prompt) in read_records(f).items():
             lines.append(f"| {run} | {name} | {n} | {cached / prompt:.1%} |" if prompt else
                          f"| {run} | {name} | {n} | - |")
+    lines += ["", "| run | routed with a prediction | found less than predicted | tokens predicted | "
+              "tokens lost | lost share |", "|---|---|---|---|---|---|"]
+    for f in files:
+        n, pred, short, lost, _found = _named(f, shortfalls)
+        share = f"{lost / pred:.1%}" if pred else "-"
+        lines.append(f"| {f.stem.removeprefix('requests-')} | {n} | {short} | {pred} | {lost} | {share} |")
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """benchmarks/routing_kv_moves.py: later turns classed by how they were sent and where they went."""
 
+import json
 import re
 
 import pytest
@@ -61,3 +62,30 @@ def test_an_unreadable_dump_is_named_in_one_line(mv, tmp_path, text, says):
     with pytest.raises(ValueError, match=re.escape(says)) as e:
         mv.read_records(f)
     assert str(e.value).startswith(str(f))
+
+
+def test_shortfalls_count_routed_requests_that_found_less_than_predicted(mv):
+    """Only served routed requests with a numeric prediction count; over-finding is not a shortfall."""
+    def routed(rid, pred, cached, worker="w1"):
+        r = rec(rid, worker, False, cached)
+        r["route"] = f"target=http://{worker}; dp_rank=-; branch=exact; cached_tokens={pred}; prompt_tokens=100"
+        return r
+    recs = [
+        routed("c0-t1", 64, 64),            # as predicted
+        routed("c1-t1", 96, 32),            # 64 lost
+        routed("c2-t1", 16, 48),            # found more: not short
+        routed("c3-t1", 80, 0),             # 80 lost
+        {**routed("c4-t1", 90, 0), "worker": None},  # failed: left out
+        {**rec("c5-t1", "w2", True, 0), "route": None},  # direct: left out
+        {**rec("c6-t1", "w1", False, 10), "route": "target=http://w1; dp_rank=-; branch=fallback; "
+                                                    "cached_tokens=-; prompt_tokens=-; reason=text"},
+    ]
+    assert mv.shortfalls(recs) == (4, 64 + 96 + 16 + 80, 2, 64 + 80, 64 + 32 + 48 + 0)
+
+
+def test_the_table_has_a_shortfall_row_per_run(mv, tmp_path):
+    r = rec("c0-t1", "w1", False, 10)
+    r["route"] = "target=http://w1; dp_rank=-; branch=exact; cached_tokens=40; prompt_tokens=100"
+    (tmp_path / "requests-kv_aware-60-0.json").write_text(json.dumps([rec("c0-t0", "w1", False, 0), r]))
+    out = mv.table([tmp_path / "requests-kv_aware-60-0.json"])
+    assert "| kv_aware-60-0 | 1 | 1 | 40 | 30 | 75.0% |" in out
