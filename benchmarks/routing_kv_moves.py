@@ -17,7 +17,8 @@ to a conversation's cache, whichever router is in front.
 
 A second table (:func:`shortfalls`) compares, for every routed request, the cached tokens the router
 predicted (its ``x-fleetserve-route`` header's ``cached_tokens``) with what the worker found: how many
-found less than predicted, and how many tokens they lost.  For ``kv_aware`` under a backlog that is
+found less than predicted, how many tokens they lost, and what that cost the run's hit rate (lost tokens
+over every served request's prompt tokens, direct ones included).  For ``kv_aware`` under a backlog that is
 mostly a prefix the worker held at the decision and evicted while the request waited in its queue (the
 prediction was right when made), so it tells a run that lost its cache in the queues from one whose
 decisions differed; for ``cache_aware`` it also counts its approximate tree's drift.
@@ -138,11 +139,13 @@ def table(files: list[Path]) -> str:
             lines.append(f"| {run} | {name} | {n} | {cached / prompt:.1%} |" if prompt else
                          f"| {run} | {name} | {n} | - |")
     lines += ["", "| run | routed with a prediction | found less than predicted | tokens predicted | "
-              "tokens lost | lost share |", "|---|---|---|---|---|---|"]
+              "tokens lost | lost share | hit-rate points lost |", "|---|---|---|---|---|---|---|"]
     for f in files:
         n, pred, short, lost, _found = _named(f, shortfalls)
+        served = _named(f, lambda rs: sum(r["prompt"] for r in rs if r.get("worker") is not None))
         share = f"{lost / pred:.1%}" if pred else "-"
-        lines.append(f"| {f.stem.removeprefix('requests-')} | {n} | {short} | {pred} | {lost} | {share} |")
+        points = f"{lost / served * 100:.1f}" if served else "-"
+        lines.append(f"| {f.stem.removeprefix('requests-')} | {n} | {short} | {pred} | {lost} | {share} | {points} |")
     return "\n".join(lines)
 
 

@@ -88,4 +88,4 @@ def test_the_table_has_a_shortfall_row_per_run(mv, tmp_path):
     r["route"] = "target=http://w1; dp_rank=-; branch=exact; cached_tokens=40; prompt_tokens=100"
     (tmp_path / "requests-kv_aware-60-0.json").write_text(json.dumps([rec("c0-t0", "w1", False, 0), r]))
     out = mv.table([tmp_path / "requests-kv_aware-60-0.json"])
-    assert "| kv_aware-60-0 | 1 | 1 | 40 | 30 | 75.0% |" in out
+    assert "| kv_aware-60-0 | 1 | 1 | 40 | 30 | 75.0% | 15.0 |" in out  # 30 of 200 prompt tokens served

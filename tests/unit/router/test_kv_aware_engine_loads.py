@@ -295,3 +295,25 @@ def test_overflow_weight_zero_turns_the_pool_term_off():
     el.put(B, {0: 0}, now)
     key = RouteKey("", P + [1], 128)
     assert pol.select([Worker(A), Worker(B)], key).url == A  # 21 < 33: the 29 tokens over A's pool are not counted
+
+
+def test_the_pool_term_counts_the_cached_prefixes_in_flight_requests_need():
+    """A's pool (1600 tokens) must keep the 1596-token prefix a waiting request of this router was
+    routed on: a second request whose 496 cached tokens are on A no longer fits there beside it (its
+    whole prompt and budget, 516, on top of 20 + 1596), so it goes to B, which has room, although A
+    holds its prefix.  Counting only what the requests add (their uncached tokens and budgets, 40 of
+    1600) kept it on A, where one of the two prefixes would be evicted before its prefill."""
+    big, small = list(range(2000, 3600)), list(range(5000, 5500))
+    pol = kv({A: ["exact"], B: ["exact"]}, overflow_weight=1.0)
+    pol.index.apply((A, 0), BlockStored(list(range(400)), None, big, 4))
+    pol.index.apply((A, 0), BlockStored(list(range(1000, 1125)), None, small, 4))
+    el = pol.engine_loads = EngineLoads(1.0)
+    el.pools[A] = el.pools[B] = {0: 1600}
+    first = RouteKey("", big, 16)
+    assert pol.select([Worker(A), Worker(B)], first).url == A and first.cached >= 1596  # waiting: in flight
+    second = RouteKey("", small, 16)
+    assert pol.select([Worker(A), Worker(B)], second).url == B and second.cached == 0
+    pol.release(second)
+    pol.release(first)  # nothing in flight on A now: its pool has room for the second prompt again
+    third = RouteKey("", small, 16)
+    assert pol.select([Worker(A), Worker(B)], third).url == A and third.cached >= 496

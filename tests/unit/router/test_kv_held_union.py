@@ -157,3 +157,20 @@ def test_ids_beyond_one_character_and_keys_without_ids_are_kept_apart():
     assert h.running_union() == 6 + 1 + 30 + 100 == union_of_prefixes([a, b, t, key(SYS, 100)])
     assert h.remove(t) == 30 and h.remove(a) == 2 and h.remove(b) == 5
     assert h.running_union() == 100
+
+
+def test_pinned_counts_waiting_and_running_prefixes_as_one_union():
+    """The pool term's figure: 3 waiting and 2 running requests on one system prompt hold it once, plus
+    each one's own part; the engine-facing count (``counted``) still takes waiting ones whole."""
+    h = HeldPrefixes()
+    ks = [key(SYS + [20_000 + i] * 100 + [7], 2100) for i in range(5)]
+    for i, k in enumerate(ks):
+        k.queued = 1 if i < 3 else 0
+        k.charged = (None, 0, 0.0)
+        h.add(k)
+    assert h.pinned() == 2000 + 5 * 100
+    assert h.counted(1.0) == 3 * 2100 + (2000 + 2 * 100)
+    for k in ks[:3]:
+        h.prefilled(k)  # none waiting now: the running union alone
+    assert h.pinned() == h.running_union() == 2000 + 5 * 100
+    assert HeldPrefixes().pinned() == 0

@@ -31,8 +31,9 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--kv-load-weight", type=float, default=d.kv_load_weight,
                    help="kv_aware: cost per in-flight (prompt + decode) token on a target (docs/router.md)")
     g.add_argument("--kv-overflow-weight", type=float, default=d.kv_overflow_weight,
-                   help="kv_aware: cost per token of a request's KV that does not fit in a target's KV pool "
-                        "(from /v1/loads), times --kv-prefill-weight (0: off; docs/router.md)")
+                   help="kv_aware: cost per token of a request's KV (whole prompt + decode budget) that does not "
+                        "fit in a target's KV pool (from /v1/loads) beside its load and the cached prefixes of "
+                        "in-flight requests, times --kv-prefill-weight (0: off; docs/router.md)")
     g.add_argument("--kv-queue-weight", type=float, default=d.kv_queue_weight,
                    help="kv_aware: cost per uncached prompt token still waiting for prefill on a target (this "
                         "router's requests before their first answer bytes; the engine's /v1/loads "

@@ -196,6 +196,14 @@ class HeldPrefixes:
             self._index()
         return self._sum - self._shared
 
+    def pinned(self) -> int:
+        """Tokens in the union of every in-flight key's cached prefix, waiting and running alike: what
+        the pool must keep for all of them to find their prefixes (the pool term, :func:`.policy._overflow`).
+        With waiting keys, O(n log n) over all keys (:func:`union_of_prefixes`); else :meth:`running_union`."""
+        if not self.waiting:
+            return self.running_union()
+        return union_of_prefixes([*self.waiting, *self.running], self.page)
+
     def counted(self, counts_from: float | None) -> int:
         """The cached tokens of these requests that an engine snapshot counting the requests sent
         before ``counts_from`` (monotonic seconds; None: no snapshot, 0) holds: the running union plus

@@ -225,15 +225,26 @@ def decode_budget(body: dict) -> int:
     return min(v, MAX_DECODE_TOKENS)
 
 
-def _overflow(load: int, need: int, pool: int) -> int:
-    """Tokens of a request's KV (``need``: uncached prompt + decode budget) that do not fit in a
-    target's KV pool of ``pool`` tokens beside the ``load`` tokens already held or promised there.
+def _overflow(footprint: int, need: int, pool: int) -> int:
+    """Tokens of a request's KV (``need``: its whole prompt + decode budget) that do not fit in a
+    target's KV pool of ``pool`` tokens beside the ``footprint`` already held or promised there: the
+    load term's tokens plus the union of the cached prefixes of this router's in-flight requests there
+    (:meth:`.held.HeldPrefixes.pinned`: a system prompt that many share counts once).
 
-    Those tokens wait until running requests free their pages (or the engine retracts and
-    recomputes), so ``--kv-overflow-weight`` (default 0, off: it did not help on the simulated
-    workers, docs/router.md) counts them like uncached prefill tokens.
+    Cached prefixes count because a request keeps its prefix only while the pool holds it: a running
+    request locks its pages, and a waiting one finds them at admission only if nothing evicted them
+    meanwhile.  When the requests sent to a target need more than its pool, the engine's LRU evicts
+    the prefixes of those still waiting (their own pages are the least recently used once every idle
+    prefix is gone) and they prefill them again: on the simulated workers with 40k-token pools,
+    2.4-3.6k-token turns and 10-13 running per worker, runs whose queues grew to 6-10 per worker
+    lost 11-21% of the predicted cached tokens that way, against 1-6% in runs whose queues stayed
+    short (docs/benchmarks.md ``routing-kv-rate-evicted-in-queue``, where this term, at weight 1,
+    lowered that loss in 2 of 3 runs but did not keep the queues short in the third).  The request's
+    own prompt counts whole: a part of it that running requests already hold is counted twice (errs
+    high by at most its cached part).  Those tokens wait or are computed again, so
+    ``--kv-overflow-weight`` (default 0, off) counts them like uncached prefill tokens.
     """
-    return max(0, load + need - pool)
+    return max(0, footprint + need - pool)
 
 
 def _shared_queued(tokens: list[int], cached: int, queued_keys, text: str | None = None) -> int:
@@ -670,8 +681,10 @@ class KvAwarePolicy:
             extra = 0.0
             if overflow_weight and engine_loads is not None:  # KV that does not fit waits: see _overflow
                 pool = engine_loads.capacity(url, rank)
-                if pool is not None:
-                    extra = overflow_weight * _overflow(load, uncached + key.decode_tokens, pool)
+                if pool is not None:  # the pool must also keep the cached prefixes in-flight requests use
+                    held = self.held.get(lk)
+                    pinned = held.pinned() if held else 0
+                    extra = overflow_weight * _overflow(load + pinned, prompt_tokens + key.decode_tokens, pool)
             reqs = inflight.get(lk, 0) if rank is not None else w.load
             if queued < q_min:
                 q_min = queued
