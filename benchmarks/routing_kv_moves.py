@@ -109,10 +109,30 @@ def shortfalls(records: list[dict]) -> tuple[int, int, int, int, int]:
     return n, pred_sum, short, lost, found
 
 
+# the fields a record must have, and their types (``--dump-requests``); worker and route may be null
+_FIELDS = {"rid": (str,), "worker": (str, type(None)), "direct": (bool,), "cached": (int,), "prompt": (int,),
+           "route": (str, type(None))}
+
+
 def _load(f: Path) -> list:
+    """The records of one dump file, each checked (:data:`_FIELDS`: ``route`` may be absent, counts as
+    null; token counts are ints >= 0).  Raises ValueError naming the record and the field."""
     records = json.loads(f.read_text())
     if not isinstance(records, list):
         raise ValueError("not a list of request records")
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"record {i} is a {type(r).__name__}, not an object")
+        for name, types in _FIELDS.items():
+            if name not in r:
+                if name == "route":
+                    continue
+                raise ValueError(f"record {i} ({r.get('rid')!r}): missing field '{name}'")
+            v = r[name]
+            if not isinstance(v, types) or (types == (int,) and (isinstance(v, bool) or v < 0)):
+                raise ValueError(f"record {i} ({r.get('rid')!r}): {name} = {v!r} is not "
+                                 + ("a token count" if types == (int,) else " or ".join(
+                                     "null" if t is type(None) else t.__name__ for t in types)))
     return records
 
 
@@ -120,8 +140,8 @@ def _named(f: Path, fn):
     """``fn(records of f)``; raises ValueError naming the file on anything it cannot read."""
     try:
         return fn(_load(f))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # json's errors are ValueErrors
-        what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError) as e:  # json's: ValueErrors
+        what = f"missing field {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
         raise ValueError(f"{f}: {what}") from None
 
 
@@ -154,8 +174,8 @@ def main() -> None:
     p.add_argument("log_dir", help="a --log-dir of a run with --dump-requests")
     a = p.parse_args()
     d = Path(a.log_dir)
-    if not d.is_dir():
-        raise SystemExit(f"{d}: not a directory (give the run's --log-dir)")
+    if not a.log_dir or not d.is_dir():
+        raise SystemExit(f"{a.log_dir!r}: not a directory (give the run's --log-dir)")
     files = sorted(d.glob("requests-*.json"))
     if not files:
         raise SystemExit(f"{d}: no requests-*.json (run with --dump-requests)")

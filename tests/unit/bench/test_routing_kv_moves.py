@@ -54,7 +54,16 @@ def test_a_failed_request_is_left_out_not_counted_as_a_move(mv):
     ("{not json", "requests-x-1-0.json: Expecting property name"),
     ('{"rid": "c0-t0"}', "not a list of request records"),
     ('[{"rid": "c0-t0", "worker": "w1"}, {"rid": "c0-t1", "worker": "w1"}]', "missing field 'direct'"),
-    ('[{"rid": "g0-p1", "worker": "w1"}]', "is not c<conversation>-t<turn>"),
+    ('[{"rid": "g0-p1", "worker": "w1", "direct": false, "cached": 0, "prompt": 9}]', "is not c<conversation>-t<turn>"),
+    ('[{"rid": "c0-t1", "worker": "w1", "direct": false, "cached": "5", "prompt": 9}]',
+     "record 0 ('c0-t1'): cached = '5' is not a token count"),
+    ('[{"rid": "c0-t1", "worker": "w1", "direct": "no", "cached": 5, "prompt": 9}]', "direct = 'no' is not bool"),
+    ('[{"rid": "c0-t1", "worker": "w1", "direct": false, "cached": -5, "prompt": 9}]', "cached = -5 is not a token"),
+    ('[{"rid": null, "worker": "w1", "direct": false, "cached": 5, "prompt": 9}]', "rid = None is not str"),
+    ('[{"rid": "c0-t1", "worker": "w1", "direct": false, "cached": 5, "prompt": 9, "route": 5}]',
+     "route = 5 is not str or null"),
+    ('[5]', "record 0 is a int, not an object"),
+    ("[" * 100000 + "]" * 100000, "maximum recursion depth"),
 ])
 def test_an_unreadable_dump_is_named_in_one_line(mv, tmp_path, text, says):
     f = tmp_path / "requests-x-1-0.json"
@@ -89,3 +98,12 @@ def test_the_table_has_a_shortfall_row_per_run(mv, tmp_path):
     (tmp_path / "requests-kv_aware-60-0.json").write_text(json.dumps([rec("c0-t0", "w1", False, 0), r]))
     out = mv.table([tmp_path / "requests-kv_aware-60-0.json"])
     assert "| kv_aware-60-0 | 1 | 1 | 40 | 30 | 75.0% | 15.0 |" in out  # 30 of 200 prompt tokens served
+
+
+def test_a_dump_path_that_cannot_be_read_is_named_in_one_line(mv, tmp_path):
+    """A directory or a broken link under a dump's name: OSError, named like any unreadable dump."""
+    (tmp_path / "requests-a-1-0.json").mkdir()
+    (tmp_path / "requests-b-1-0.json").symlink_to(tmp_path / "nowhere")
+    for name in ("requests-a-1-0.json", "requests-b-1-0.json"):
+        with pytest.raises(ValueError, match=re.escape(str(tmp_path / name))):
+            mv.table([tmp_path / name])

@@ -1,6 +1,7 @@
 """kv_aware's load correction from the engines' ``/v1/loads``: used while fresh, ignored when stale."""
 
 import contextlib
+import logging
 import time
 from types import SimpleNamespace
 
@@ -297,7 +298,7 @@ def test_overflow_weight_zero_turns_the_pool_term_off():
     assert pol.select([Worker(A), Worker(B)], key).url == A  # 21 < 33: the 29 tokens over A's pool are not counted
 
 
-def test_the_pool_term_counts_the_cached_prefixes_in_flight_requests_need():
+def test_the_pool_term_counts_the_cached_prefixes_in_flight_requests_need(caplog):
     """A's pool (1600 tokens) must keep the 1596-token prefix a waiting request of this router was
     routed on: a second request whose 496 cached tokens are on A no longer fits there beside it (its
     whole prompt and budget, 516, on top of 20 + 1596), so it goes to B, which has room, although A
@@ -312,8 +313,30 @@ def test_the_pool_term_counts_the_cached_prefixes_in_flight_requests_need():
     first = RouteKey("", big, 16)
     assert pol.select([Worker(A), Worker(B)], first).url == A and first.cached >= 1596  # waiting: in flight
     second = RouteKey("", small, 16)
-    assert pol.select([Worker(A), Worker(B)], second).url == B and second.cached == 0
+    with caplog.at_level(logging.DEBUG, logger="fleetserve.router"):
+        assert pol.select([Worker(A), Worker(B)], second).url == B and second.cached == 0
+    # the debug log names the term: A is over its pool by (load + pinned + 516) - 1600 tokens, B not at all
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_aware cost:"))
+    a_part, b_part = (p for p in line.split(" | ") if p.startswith(("http://a", "http://b")))
+    over = float(a_part.split(" overflow=")[1].split()[0])
+    assert over >= 1596 + 516 - 1600 and "overflow=" not in b_part
     pol.release(second)
     pol.release(first)  # nothing in flight on A now: its pool has room for the second prompt again
     third = RouteKey("", small, 16)
     assert pol.select([Worker(A), Worker(B)], third).url == A and third.cached >= 496
+
+
+def test_a_pool_term_without_loads_polling_is_one_start_up_warning(caplog):
+    """The pool sizes come from /v1/loads: with polling off the term could never count, so the router
+    says so once at start (and not when either setting leaves the term meaningful)."""
+    from fleetserve.router.config import parse_args
+    from fleetserve.router.kv_events.flags import make_kv_aware
+
+    argv = ["--policy", "kv_aware", "--worker-urls", "http://127.0.0.1:9"]
+    with caplog.at_level(logging.WARNING, logger="fleetserve.router"):
+        make_kv_aware(parse_args(argv + ["--kv-overflow-weight", "1", "--kv-loads-interval-secs", "0"]))
+        said = [r.getMessage() for r in caplog.records]
+        make_kv_aware(parse_args(argv + ["--kv-overflow-weight", "1"]))
+        make_kv_aware(parse_args(argv + ["--kv-loads-interval-secs", "0"]))
+    assert len(said) == 1 and "--kv-overflow-weight 1 has no effect with --kv-loads-interval-secs 0" in said[0]
+    assert len(caplog.records) == 1

@@ -31,9 +31,10 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--kv-load-weight", type=float, default=d.kv_load_weight,
                    help="kv_aware: cost per in-flight (prompt + decode) token on a target (docs/router.md)")
     g.add_argument("--kv-overflow-weight", type=float, default=d.kv_overflow_weight,
-                   help="kv_aware: cost per token of a request's KV (whole prompt + decode budget) that does not "
-                        "fit in a target's KV pool (from /v1/loads) beside its load and the cached prefixes of "
-                        "in-flight requests, times --kv-prefill-weight (0: off; docs/router.md)")
+                   help="kv_aware: cost per token of a request's KV (its whole prompt + decode budget) that does "
+                        "not fit in a target's KV pool (from /v1/loads) beside the target's load and the cached "
+                        "prefixes of this router's in-flight requests there (a shared prefix once), times "
+                        "--kv-prefill-weight (0: off; docs/router.md)")
     g.add_argument("--kv-queue-weight", type=float, default=d.kv_queue_weight,
                    help="kv_aware: cost per uncached prompt token still waiting for prefill on a target (this "
                         "router's requests before their first answer bytes; the engine's /v1/loads "
@@ -119,6 +120,10 @@ def make_kv_aware(cfg):
         tok = RouterTokenizer(cfg.tokenizer_path, l0_max_entries=l0) if cfg.tokenizer_path else None
     except ValueError as e:  # e.g. a file that is no tokenizer.json
         raise ValueError(f"--tokenizer-path {cfg.tokenizer_path}: {e}") from None
+    if cfg.kv_overflow_weight and not cfg.kv_loads_interval_secs:  # the pool sizes come from /v1/loads
+        logging.getLogger("fleetserve.router").warning(
+            "--kv-overflow-weight %g has no effect with --kv-loads-interval-secs 0: the pool sizes it needs come "
+            "from the workers' GET /v1/loads", cfg.kv_overflow_weight)
     if tok is not None and tok.template_error:  # said once here, not once per chat request
         logging.getLogger("fleetserve.router").warning(
             "--tokenizer-path %s: %s; chat requests are routed on their text (branch=fallback reason=text)",

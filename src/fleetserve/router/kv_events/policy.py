@@ -719,7 +719,8 @@ class KvAwarePolicy:
                 cost = prefill_weight * uncached + queue_weight * queued + load_weight * load + extra
             if terms is not None:
                 terms.append(f"{tenant} {branch} cached={cached} queued={queued} load={load} (router {mine}, "
-                             f"engine {'-' if seen is None else seen}) reqs={reqs} cost={cost:.1f}")
+                             f"engine {'-' if seen is None else seen}) reqs={reqs}"
+                             f"{f' overflow={extra:.1f}' if extra else ''} cost={cost:.1f}")
             if idle_on:
                 wait = prefill_weight * (uncached + queued) + load_weight * load
                 if not reqs and not queued and (idle_best is None or wait < idle_best[0]):
