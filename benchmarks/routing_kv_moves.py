@@ -150,22 +150,27 @@ def read_records(f: Path) -> dict[str, tuple[int, int, int]]:
     return _named(f, classify)
 
 
+def _summary(records: list[dict]) -> tuple[dict, tuple, int]:
+    """:func:`classify`, :func:`shortfalls` and the served prompt tokens of one file's records."""
+    served = sum(r["prompt"] for r in records if r.get("worker") is not None)
+    return classify(records), shortfalls(records), served
+
+
 def table(files: list[Path]) -> str:
-    """Markdown: one row per (file, class), then one row per file of :func:`shortfalls`."""
+    """Markdown: one row per (file, class), then one row per file of :func:`shortfalls`.  Each file is
+    read once."""
+    runs = [(f.stem.removeprefix("requests-"), *_named(f, _summary)) for f in files]
     lines = ["| run | class | turns | hit rate |", "|---|---|---|---|"]
-    for f in files:
-        run = f.stem.removeprefix("requests-")
-        for name, (n, cached, prompt) in read_records(f).items():
+    for run, classes, _short, _served in runs:
+        for name, (n, cached, prompt) in classes.items():
             lines.append(f"| {run} | {name} | {n} | {cached / prompt:.1%} |" if prompt else
                          f"| {run} | {name} | {n} | - |")
     lines += ["", "| run | routed with a prediction | found less than predicted | tokens predicted | "
               "tokens lost | lost share | hit-rate points lost |", "|---|---|---|---|---|---|---|"]
-    for f in files:
-        n, pred, short, lost, _found = _named(f, shortfalls)
-        served = _named(f, lambda rs: sum(r["prompt"] for r in rs if r.get("worker") is not None))
+    for run, _classes, (n, pred, short, lost, _found), served in runs:
         share = f"{lost / pred:.1%}" if pred else "-"
         points = f"{lost / served * 100:.1f}" if served else "-"
-        lines.append(f"| {f.stem.removeprefix('requests-')} | {n} | {short} | {pred} | {lost} | {share} | {points} |")
+        lines.append(f"| {run} | {n} | {short} | {pred} | {lost} | {share} | {points} |")
     return "\n".join(lines)
 
 
