@@ -377,6 +377,15 @@ def router_inflight(url: str) -> float | None:
     return total if seen else None
 
 
+def router_held(url: str) -> float | None:
+    """kv_aware's ``fleetserve_router_kv_router_queue_pending_requests`` (requests waiting in the router,
+    ``--router-queue-threshold``), or None without that gauge."""
+    for line in scrape(url).splitlines():
+        if line.startswith("fleetserve_router_kv_router_queue_pending_requests"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 class Watch:
     """A thread writing the workers' and routers' state to ``log`` every ``every`` seconds during a run.
 
@@ -408,6 +417,7 @@ class Watch:
             while not self._stop.wait(self.every):
                 loads = [worker_loads(u) for u in self.urls]
                 inflight = [router_inflight(u) for u in self.rurls]
+                held = [router_held(u) for u in self.rurls]
                 done = sum(x.get("done") or 0 for x in loads)
                 self.waiting_max = max(self.waiting_max, sum(x.get("wait") or 0 for x in loads))
                 now = time.monotonic()
@@ -416,6 +426,7 @@ class Watch:
                 stalled = now - last_change > self.stall_s
                 self.stalls += stalled
                 f.write(f"{now - t0:7.1f}s admitted {done} workers {loads} router in flight {inflight}"
+                        + (f" held in the router {held}" if any(h is not None for h in held) else "")
                         + ("  STALLED" if stalled else "") + "\n")
                 f.flush()
 

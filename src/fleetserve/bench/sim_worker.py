@@ -180,6 +180,7 @@ class SimWorker:
 
     async def server_info(self, _req: web.Request) -> web.Response:
         discovery = router_discovery_fields({"page_size": self.engine.model.page_size,
+                                             "chunked_prefill_size": self.engine.model.chunked_prefill_size,
                                              "dp_size": len(self.engines),
                                              "kv_events_config": self._own_kv_events_config()})
         stats = {k: sum(e.stats[k] for e in self.engines) for k in self.engine.stats}

@@ -93,6 +93,8 @@ class Router:
         if getattr(self.policy, "index", None) is not None:  # kv_aware: follow the workers' KV events
             from .kv_events.sources import KvEventSources, parse_endpoint_flags
             self.kv_sources = KvEventSources(self.policy, parse_endpoint_flags(self.cfg.kv_events_endpoint))
+            if self.policy.router_queue is not None:  # --router-queue-threshold: its busy test's targets
+                self.policy.router_queue.available = self.registry.available
             self._tasks.append(asyncio.create_task(self.kv_sources.run(self)))
             if self.cfg.kv_loads_interval_secs > 0:  # the engines' own token loads (kv_events/loads.py)
                 from .kv_events.loads import EngineLoads

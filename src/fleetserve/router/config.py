@@ -109,6 +109,7 @@ class RouterConfig:
     kv_balance_rel_threshold: float = 1.2  # the idle rule: wait ratio (0: off)
     kv_balance_band: float = 0.5  # balance terms count only the excess over (1 + band) x the lowest (0: off)
     kv_backlog_discount: float = 1.0  # queue weight / (1 + this x least queued / prompt) (0: off)
+    router_queue_threshold: float | None = None  # Dynamo's flag: hold requests while every target is busy (off)
     kv_speculative_ttl_secs: float = 2.0
     kv_index_max_blocks: int = 1 << 20
     kv_loads_interval_secs: float = 1.0

@@ -11,7 +11,7 @@ under kv_aware)``.
 Which policies read a flag (:data:`READ_BY`, by argparse ``dest``):
 
 * the ``kv_aware`` group (``--kv-*``, ``--tokenizer-path``, ``--tokenizer-cache-*``,
-  ``--dp-aware``): ``kv_aware`` only;
+  ``--dp-aware``, ``--router-queue-threshold``): ``kv_aware`` only;
 * ``--cache-threshold``, ``--cache-miss-fallback``, ``--bounded-load-*``: ``cache_aware`` only;
 * ``--eviction-interval-secs``, ``--max-tree-size``: the policies with a routing tree,
   ``cache_aware`` and ``kv_aware``;
@@ -33,7 +33,7 @@ READ_BY: dict[str, tuple[str, ...]] = {
     **{d: KV for d in ("tokenizer_path", "tokenizer_cache_enable_l0", "tokenizer_cache_l0_max_entries",
                        "kv_events_endpoint", "kv_prefill_weight", "kv_load_weight", "kv_overflow_weight", "kv_queue_weight",
                        "kv_balance_abs_threshold", "kv_balance_rel_threshold", "kv_balance_band",
-                       "kv_backlog_discount",
+                       "kv_backlog_discount", "router_queue_threshold",
                        "kv_speculative_ttl_secs", "kv_index_max_blocks", "kv_loads_interval_secs", "dp_aware")},
     **{d: CACHE for d in ("cache_threshold", "cache_miss_fallback", "bounded_load_factor", "bounded_load_slack",
                           "balance_abs_threshold", "balance_rel_threshold")},

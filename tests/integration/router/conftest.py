@@ -62,6 +62,20 @@ class Procs:
         wait_http(url + "/stats", proc=p)
         return url, p
 
+    def sim_with_events(self, *extra: str) -> str:
+        """A ``fleetserve sim-worker`` publishing KV events (ZMQ, with a replay endpoint), up: its URL."""
+        import json
+
+        from helpers.kv_events_sub import free_port_block
+
+        http, ev = free_port_block(1), free_port_block(2)
+        cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"}
+        p = self.spawn([sys.executable, "-m", "fleetserve.cli", "sim-worker", "--port", str(http),
+                        "--kv-events-config", json.dumps(cfg), *extra])
+        url = f"http://127.0.0.1:{http}"
+        wait_http(url + "/health", timeout=60, proc=p)
+        return url
+
     def router(self, worker_urls: list[str], *extra: str) -> tuple[str, subprocess.Popen]:
         port = free_port()
         args = [sys.executable, "-m", "fleetserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),

@@ -5,13 +5,11 @@ instead of ``branch=exact`` with 0 predicted cached tokens forever (issue 12 b).
 
 import json
 import re
-import sys
 import time
 import urllib.request
 
 import pytest
 
-from helpers.kv_events_sub import free_port_block
 
 FAST = ["--prefill-per-token-s", "0", "--prefill-overhead-s", "0", "--decode-base-s", "0.001",
         "--decode-per-req-s", "0", "--decode-per-ctx-token-s", "0"]
@@ -32,12 +30,7 @@ def metrics(url):
 def test_word_tokenized_sim_worker_is_routed_by_the_tree_with_reason_tokenizer(procs):
     from fleetserve.models.tokenizer import tokenizer_dir
 
-    http, ev = free_port_block(1), free_port_block(2)
-    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"}
-    p = procs.spawn([sys.executable, "-m", "fleetserve.cli", "sim-worker", "--port", str(http),
-                     "--kv-events-config", json.dumps(cfg), *FAST])
-    sim = f"http://127.0.0.1:{http}"
-    sys.modules[type(procs).__module__].wait_http(sim + "/health", timeout=60, proc=p)
+    sim = procs.sim_with_events(*FAST)
     router, rp = procs.router([sim], "--policy", "kv_aware", "--tokenizer-path", tokenizer_dir(),
                               "--kv-speculative-ttl-secs", "0")
     deadline = time.monotonic() + 20

@@ -2,7 +2,8 @@
 
 ``--tokenizer-path``, ``--tokenizer-cache-enable-l0``,
 ``--tokenizer-cache-l0-max-entries`` and ``--dp-aware`` are sglang-router's
-flag names (and defaults); the ``--kv-*`` ones are ours.
+flag names (and defaults); ``--router-queue-threshold`` is NVIDIA Dynamo's; the ``--kv-*`` ones
+are ours.
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "the smallest queued prefill of any target / the mean uncached tokens of a queued request), "
                         "so that a deep, fleet-wide backlog does not move requests off their cache (0: off; "
                         "docs/router.md, the backlog discount)")
+    g.add_argument("--router-queue-threshold", type=float, default=d.router_queue_threshold, metavar="FRACTION",
+                   help="kv_aware: hold requests in the router, first come first served, while every target's "
+                        "queued prefill (this router's requests not yet prefilled, or the engine's waiting "
+                        "tokens from /v1/loads) exceeds this fraction of its prefill tokens per step "
+                        "(chunked_prefill_size from /get_server_info, else 8192), and route each when a target "
+                        "frees up (NVIDIA Dynamo's flag; default: off; docs/router.md, the router queue)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")
@@ -87,6 +94,10 @@ def validate(cfg) -> None:
         raise ValueError("--kv-balance-band must be >= 0")
     if not cfg.kv_backlog_discount >= 0:
         raise ValueError("--kv-backlog-discount must be >= 0")
+    q = cfg.router_queue_threshold
+    if q is not None and not (0 <= q < float("inf")):
+        raise ValueError(f"--router-queue-threshold must be a number >= 0 (a fraction of each worker's prefill "
+                         f"tokens per step), got {q}")
     if cfg.kv_speculative_ttl_secs < 0:
         raise ValueError("--kv-speculative-ttl-secs must be >= 0")
     if cfg.kv_loads_interval_secs < 0:
@@ -133,4 +144,5 @@ def make_kv_aware(cfg):
                          overflow_weight=cfg.kv_overflow_weight, queue_weight=cfg.kv_queue_weight,
                          balance_abs_threshold=cfg.kv_balance_abs_threshold,
                          balance_rel_threshold=cfg.kv_balance_rel_threshold,
-                         balance_band=cfg.kv_balance_band, backlog_discount=cfg.kv_backlog_discount)
+                         balance_band=cfg.kv_balance_band, backlog_discount=cfg.kv_backlog_discount,
+                         router_queue_threshold=cfg.router_queue_threshold)

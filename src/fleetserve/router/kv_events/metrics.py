@@ -23,6 +23,12 @@
   Listed for every target chosen since its worker was added.
 * ``inferred_prefills_total``: non-streamed requests taken out of the queued prefill because an
   engine snapshot's ``num_waiting_reqs`` showed them admitted (:meth:`.policy.KvAwarePolicy.engine_snapshot`).
+* with ``--router-queue-threshold`` (:mod:`.router_queue`): ``router_queue_pending_requests``,
+  requests waiting in the router now (Dynamo's ``dynamo_frontend_router_queue_pending_requests``
+  under our prefix); ``router_queue_held_total``, requests that waited;
+  ``router_queue_wait_seconds_total``, their time waiting; ``router_queue_max_wait_total``, those
+  routed because they had waited the longest allowed; ``router_queue_gone_total``, those whose
+  client went away while waiting.
 * ``tokenizer_mismatch{worker}``: 1 while the worker counts other prompt tokens than the
   router's tokenizer (routed ``fallback``, reason ``tokenizer``; :mod:`.tokenizer_check`).
 * ``prompt_token_checks_total{worker,result}``: answers whose prompt count ``agreed`` /
@@ -71,6 +77,18 @@ def families(policy):
     yield queued_prefill_family(policy)
     yield CounterMetricFamily(_P + "inferred_prefills", "Non-streamed requests whose prefill end an engine's "
                               "num_waiting_reqs told", value=policy.inferred_prefills)
+    rq = policy.router_queue
+    if rq is not None:
+        yield GaugeMetricFamily(_P + "router_queue_pending_requests", "Requests waiting in the router while every "
+                                "target is busy (--router-queue-threshold)", value=rq.pending)
+        yield CounterMetricFamily(_P + "router_queue_held", "Requests that waited in the router queue",
+                                  value=rq.held_total)
+        yield CounterMetricFamily(_P + "router_queue_wait_seconds", "Seconds requests waited in the router queue",
+                                  value=rq.wait_seconds_total)
+        yield CounterMetricFamily(_P + "router_queue_max_wait", "Requests routed because they had waited the "
+                                  "longest the router queue allows", value=rq.max_wait_total)
+        yield CounterMetricFamily(_P + "router_queue_gone", "Requests whose client went away while they waited in "
+                                  "the router queue", value=rq.gone_total)
     tc = policy.tokenizer_check
     mism = GaugeMetricFamily(_P + "tokenizer_mismatch", "1 while the worker's prompt token counts disagree with "
                              "the router's tokenizer (routed by the approximate tree)", labels=["worker"])

@@ -97,6 +97,7 @@ from ..routing_text import ids_text
 from .index import BlockIndex
 from .held import HeldPrefixes
 from .pending import QueuedKeys, SortedPrompts, agree_from as _agree_from, one_char_per_id
+from .router_queue import RouterQueue
 from .subscriber import DEGRADED, EXACT, FALLBACK
 from .tokenize import MAX_TOKENIZE_CHARS, RouterTokenizer, request_ids_without_tokenizer, text_size
 from .tokenizer_check import TOKENIZER, TokenizerCheck
@@ -123,7 +124,7 @@ class RouteKey:
 
     __slots__ = ("text", "tokens", "prompt_tokens", "decode_tokens", "target", "rank", "branch", "cached",
                  "charged", "queued", "reason", "tokenized", "streamed", "client_rank", "_tree_text", "_one_char",
-                 "_chars")
+                 "_chars", "held")
 
     def __init__(self, text: str, tokens: list[int] | None = None, decode_tokens: int = DEFAULT_DECODE_TOKENS,
                  chars: str | None = None):
@@ -144,6 +145,7 @@ class RouteKey:
         self.tokenized = False  # the ids came from the router's tokenizer (not the request's own ids)
         self.streamed = False  # a stream was asked for: its first answer bytes will tell when its prefill ended
         self.client_rank = None  # the DP rank the client named itself (client_dp_rank), which the engine obeys
+        self.held = False  # let go by the router queue and not routed yet (router_queue.py)
         self._tree_text = None
         self._one_char = None
 
@@ -404,7 +406,7 @@ class KvAwarePolicy:
                  tokenize_threads: int = 2, route_header: bool = True, overflow_weight: float = 0.0,
                  queue_weight: float = 0.5, balance_abs_threshold: float = IDLE_ABS_THRESHOLD,
                  balance_rel_threshold: float = IDLE_REL_THRESHOLD, balance_band: float = BALANCE_BAND,
-                 backlog_discount: float = BACKLOG_DISCOUNT) -> None:
+                 backlog_discount: float = BACKLOG_DISCOUNT, router_queue_threshold: float | None = None) -> None:
         self.route_header = route_header
         self.backlog_discount = backlog_discount  # --kv-backlog-discount (0: off; queue_weight_under)
         self.balance_band = balance_band  # --kv-balance-band (0: off; balance_floor)
@@ -441,6 +443,8 @@ class KvAwarePolicy:
         self.tokenizer_check = TokenizerCheck()
         self.chosen_at: dict = {}  # (url, rank or None) -> number of the decision that last chose it (ties)
         self._decisions = 0
+        # --router-queue-threshold: requests wait in the router while every target is busy (router_queue.py)
+        self.router_queue = RouterQueue(self, router_queue_threshold) if router_queue_threshold is not None else None
 
     @property
     def engine_loads(self):
@@ -472,6 +476,8 @@ class KvAwarePolicy:
         engine's waiting figures did not count them, so nothing is taken off those
         (:meth:`_end_prefill`).  Engines that report no ``num_waiting_reqs`` (vLLM) change nothing.
         """
+        if self.router_queue is not None:  # its figures changed: a waiting request may go
+            self.router_queue.pump()
         loads = self._engine_loads
         per = loads.waiting_reqs.get(url) if loads is not None else None
         if not per:
@@ -523,6 +529,8 @@ class KvAwarePolicy:
         key.streamed = body.get("stream") is True
         if self.dp_aware:
             key.client_rank = client_dp_rank(body, headers)
+        if self.router_queue is not None:  # every target busy: wait here, and be routed when one frees up
+            key.held = await self.router_queue.wait()
         return key
 
     def ranks(self, url: str) -> list[int] | tuple[int, ...]:
@@ -553,6 +561,8 @@ class KvAwarePolicy:
     def _choose(self, workers: list, key):
         """The worker with the lowest cost among ``workers``; the decision is written into ``key``."""
         if not workers:
+            if key.held:
+                self._routed(key)
             return None
         if key.charged is not None:
             self.release(key)  # a retry: the failed attempt's tokens are no longer in flight
@@ -750,7 +760,14 @@ class KvAwarePolicy:
         key.target, key.rank, key.branch, key.cached = (w.url, rank), rank, branch, cached
         key.reason = reason
         self._record(w.url, rank, key)
+        if key.held:
+            self._routed(key)
         return w
+
+    def _routed(self, key) -> None:
+        """``key``, let go by the router queue, was routed (or will not be): the next one may go."""
+        key.held = False
+        self.router_queue.routed()
 
     def load_term(self, url: str, rank: int | None, now: float | None = None) -> int:
         """The ``load_tokens(t)`` the cost uses for the target now: this router's in-flight tokens there,
@@ -783,6 +800,8 @@ class KvAwarePolicy:
         """The worker with the lowest cost; the decision is written into ``key``."""
         if not isinstance(key, RouteKey):
             key = RouteKey(key or "")
+        if self.router_queue is not None and not retry:  # the targets its busy test looks at
+            self.router_queue.workers = workers
         w = self._choose(workers, key)
         if w is not None:
             self.decisions[key.branch] += 1
@@ -900,6 +919,8 @@ class KvAwarePolicy:
                 held.prefilled(key)
         if engine_counted and self._engine_loads is not None:  # a snapshot that counted it as waiting must not count it still
             self._engine_loads.prefilled(lk[0], lk[1], sent, q)
+        if self.router_queue is not None:  # a target's queued prefill went down: a waiting request may go
+            self.router_queue.pump()
         return True
 
     def migrating(self, key, generated: int) -> None:
@@ -919,7 +940,11 @@ class KvAwarePolicy:
 
     def release(self, key) -> None:
         """The request's answer ended (or its attempt failed): take its tokens out of the load."""
-        if not isinstance(key, RouteKey) or key.charged is None:
+        if not isinstance(key, RouteKey):
+            return
+        if key.held:  # let go by the router queue but never routed (it failed before): the next one may go
+            self._routed(key)
+        if key.charged is None:
             return
         self._end_prefill(key)  # a non-streamed answer (or a failed attempt): its prefill is over too
         lk, n, sent = key.charged

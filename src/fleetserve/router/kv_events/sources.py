@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from .router_queue import budget_from_info
 from .subscriber import Subscription
 
 log = logging.getLogger("fleetserve.router")
@@ -265,6 +266,11 @@ class KvEventSources:
             raise ValueError(bad_dp_size(info))
         if _reported_dp(info) is not None:  # its ranks for --dp-aware, should it publish no events (policy.ranks)
             self.policy.dp_ranks[url] = tuple(range(dp))
+        queue = self.policy.router_queue
+        if queue is not None:  # its prefill tokens per step, for --router-queue-threshold's busy test
+            budget = budget_from_info(info)
+            if budget is not None:
+                queue.budgets[url] = budget
         ep = self.flag_endpoints.get(url)
         self._connects.pop(url, None)
         connects = connecting_endpoint(info) if ep is None else None
@@ -281,6 +287,8 @@ class KvEventSources:
         subs = self.policy.subs.pop(url, {})
         for s in subs.values():
             s.stop(timeout=0.5)
+        if self.policy.router_queue is not None:
+            self.policy.router_queue.budgets.pop(url, None)
         self.policy.index.drop_worker(url)
         self._asked.pop(url, None)
         self._told.discard(url)
