@@ -157,7 +157,7 @@ async def test_a_request_waits_at_most_max_wait_then_is_routed():
     await arrive(pol, workers, prompt(800))
     await arrive(pol, workers, prompt(800, 5000))
     k3, w3 = await asyncio.wait_for(arrive(pol, workers, prompt(10, 9000)), 1)
-    assert w3 is not None and q.max_wait_total == 1 and q.pending == 0 and q._leaving == 0
+    assert w3 is not None and q.expired_total == 1 and q.pending == 0 and q._leaving == 0
 
 
 async def test_an_engine_snapshot_that_shows_the_queue_drained_lets_the_head_go():
@@ -177,6 +177,36 @@ async def test_an_engine_snapshot_that_shows_the_queue_drained_lets_the_head_go(
     q.available = lambda: []  # no worker available: nothing to wait for (the proxy answers 503)
     key = await asyncio.wait_for(pol.prepare("/v1/completions", {"prompt": prompt(5)}, ""), 1)
     assert not key.held
+
+
+def test_the_budget_read_from_a_worker_is_kept_logged_and_shown_in_metrics(caplog):
+    pol, _ = policy(0.5)
+    q = pol.router_queue
+    q.budgets.clear()
+    with caplog.at_level("INFO", logger="fleetserve.router"):
+        q.learned(A, {"chunked_prefill_size": 2048})
+        q.learned(A, {"chunked_prefill_size": 2048})  # the same again: said once
+        q.learned(B, {"model_path": "x"})  # reports none: the default, said once
+        q.learned(B, {})
+    assert q.budget(A) == 2048 and q.budget(B) == DEFAULT_BUDGET
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "prefill budget 2048 tokens per step: busy over 1024 queued" in lines[0]
+    assert f"{B} reports no prefill budget" in lines[1] and "8192 tokens per step assumed" in lines[1]
+    fam = {f.name: f for f in families(pol)}["fleetserve_router_kv_router_queue_budget_tokens"]
+    assert [(s.labels["worker"], s.value) for s in fam.samples] == [(A, 2048)]
+    q.forget(A)
+    assert q.budget(A) == DEFAULT_BUDGET
+
+
+def test_with_engine_loads_off_a_start_up_warning_says_non_streamed_requests_hold_the_queue(caplog):
+    from fleetserve.router.kv_events.flags import make_kv_aware
+
+    with caplog.at_level("WARNING", logger="fleetserve.router"):
+        make_kv_aware(RouterConfig(router_queue_threshold=0.5, kv_loads_interval_secs=0))
+        make_kv_aware(RouterConfig(router_queue_threshold=0.5))
+    warned = [r.getMessage() for r in caplog.records if "--router-queue-threshold" in r.getMessage()]
+    assert len(warned) == 1 and "non-streamed request counts as queued prefill" in warned[0]
 
 
 def test_the_flag_parses_validates_and_defaults_off():

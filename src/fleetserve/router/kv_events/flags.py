@@ -54,12 +54,13 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "the smallest queued prefill of any target / the mean uncached tokens of a queued request), "
                         "so that a deep, fleet-wide backlog does not move requests off their cache (0: off; "
                         "docs/router.md, the backlog discount)")
-    g.add_argument("--router-queue-threshold", type=float, default=d.router_queue_threshold, metavar="FRACTION",
-                   help="kv_aware: hold requests in the router, first come first served, while every target's "
-                        "queued prefill (this router's requests not yet prefilled, or the engine's waiting "
-                        "tokens from /v1/loads) exceeds this fraction of its prefill tokens per step "
-                        "(chunked_prefill_size from /get_server_info, else 8192), and route each when a target "
-                        "frees up (NVIDIA Dynamo's flag; default: off; docs/router.md, the router queue)")
+    g.add_argument("--router-queue-threshold", type=float, default=d.router_queue_threshold, metavar="F",
+                   help="kv_aware: hold requests in the router, first come first served (at most 30 s each), while "
+                        "every available worker's queued prefill (this router's requests not yet prefilled, or the "
+                        "engine's waiting tokens from /v1/loads) exceeds F x its prefill tokens per step "
+                        "(chunked_prefill_size, else max_num_batched_tokens or max_prefill_tokens from "
+                        "/get_server_info, else 8192; per DP rank); each is then routed by the cost. NVIDIA "
+                        "Dynamo's flag; unset: off (docs/router.md, the router queue)")
     g.add_argument("--kv-speculative-ttl-secs", type=float, default=d.kv_speculative_ttl_secs,
                    help="kv_aware: a routed prompt counts as cached on its target this long, until its events "
                         "arrive (0: off)")
@@ -135,6 +136,11 @@ def make_kv_aware(cfg):
         logging.getLogger("fleetserve.router").warning(
             "--kv-overflow-weight %g has no effect with --kv-loads-interval-secs 0: the pool sizes it needs come "
             "from the workers' GET /v1/loads", cfg.kv_overflow_weight)
+    if cfg.router_queue_threshold is not None and not cfg.kv_loads_interval_secs:
+        logging.getLogger("fleetserve.router").warning(
+            "--router-queue-threshold with --kv-loads-interval-secs 0: a non-streamed request counts as queued "
+            "prefill until its whole answer arrives (the engines' /v1/loads tell when it was admitted), so the "
+            "router queue holds requests while the workers only decode")
     if tok is not None and tok.template_error:  # said once here, not once per chat request
         logging.getLogger("fleetserve.router").warning(
             "--tokenizer-path %s: %s; chat requests are routed on their text (branch=fallback reason=text)",

@@ -26,9 +26,10 @@
 * with ``--router-queue-threshold`` (:mod:`.router_queue`): ``router_queue_pending_requests``,
   requests waiting in the router now (Dynamo's ``dynamo_frontend_router_queue_pending_requests``
   under our prefix); ``router_queue_held_total``, requests that waited;
-  ``router_queue_wait_seconds_total``, their time waiting; ``router_queue_max_wait_total``, those
-  routed because they had waited the longest allowed; ``router_queue_gone_total``, those whose
-  client went away while waiting.
+  ``router_queue_wait_seconds_total``, their time waiting (not the admission queue's
+  ``fleetserve_router_queue_wait_seconds``); ``router_queue_expired_total``, requests routed because
+  they had waited the longest allowed; ``router_queue_gone_total``, those whose client went away
+  while waiting; ``router_queue_budget_tokens{worker}``, each budget read from a worker.
 * ``tokenizer_mismatch{worker}``: 1 while the worker counts other prompt tokens than the
   router's tokenizer (routed ``fallback``, reason ``tokenizer``; :mod:`.tokenizer_check`).
 * ``prompt_token_checks_total{worker,result}``: answers whose prompt count ``agreed`` /
@@ -85,8 +86,14 @@ def families(policy):
                                   value=rq.held_total)
         yield CounterMetricFamily(_P + "router_queue_wait_seconds", "Seconds requests waited in the router queue",
                                   value=rq.wait_seconds_total)
-        yield CounterMetricFamily(_P + "router_queue_max_wait", "Requests routed because they had waited the "
-                                  "longest the router queue allows", value=rq.max_wait_total)
+        yield CounterMetricFamily(_P + "router_queue_expired", "Requests routed because they had waited the "
+                                  "longest the router queue allows (30 s)", value=rq.expired_total)
+        budgets = GaugeMetricFamily(_P + "router_queue_budget_tokens", "Prefill tokens per step the router queue "
+                                    "takes for the worker, per DP rank (8192 until its /get_server_info reports one)",
+                                    labels=["worker"])
+        for url in sorted(rq.budgets):
+            budgets.add_metric([url], rq.budgets[url])
+        yield budgets
         yield CounterMetricFamily(_P + "router_queue_gone", "Requests whose client went away while they waited in "
                                   "the router queue", value=rq.gone_total)
     tc = policy.tokenizer_check

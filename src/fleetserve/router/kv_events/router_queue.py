@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
+
+log = logging.getLogger("fleetserve.router")
 
 DEFAULT_BUDGET = 8192  # tokens per prefill step when a worker reports none (SGLang's chunked_prefill_size default)
 RECHECK_S = 0.05  # while requests wait, the busy test is also re-run this often (a snapshot going stale)
@@ -69,6 +72,7 @@ class RouterQueue:
         self.threshold = threshold
         self.max_wait_s = max_wait_s
         self.budgets: dict[str, int] = {}  # worker url -> prefill tokens per step (budget_from_info)
+        self._told: set[str] = set()  # workers whose budget (or its absence) was logged
         self.available = None  # the router's registry.available (app.py): the workers the busy test looks at
         self.workers: list = []  # without it, the worker list of the last decision
         self._waiting: collections.deque = collections.deque()  # futures, in arrival order
@@ -77,7 +81,7 @@ class RouterQueue:
         # for /metrics
         self.held_total = 0  # requests that waited here
         self.wait_seconds_total = 0.0
-        self.max_wait_total = 0  # requests routed because they had waited max_wait_s
+        self.expired_total = 0  # requests routed because they had waited max_wait_s
         self.gone_total = 0  # requests whose client went away while they waited
 
     @property
@@ -87,6 +91,25 @@ class RouterQueue:
 
     def budget(self, url: str) -> int:
         return self.budgets.get(url, DEFAULT_BUDGET)
+
+    def learned(self, url: str, info: dict) -> None:
+        """``url``'s ``/get_server_info`` answer ``info`` arrived: keep its budget (logged when it changes)."""
+        budget = budget_from_info(info)
+        known = self.budgets.get(url)
+        if budget is None:
+            self.budgets.pop(url, None)
+            if known is not None or url not in self._told:
+                log.info("router queue: %s reports no prefill budget (chunked_prefill_size, max_num_batched_tokens, "
+                         "max_prefill_tokens): %d tokens per step assumed", url, DEFAULT_BUDGET)
+        elif budget != known:
+            self.budgets[url] = budget
+            log.info("router queue: %s prefill budget %d tokens per step: busy over %.0f queued prefill tokens per "
+                     "DP rank", url, budget, self.threshold * budget)
+        self._told.add(url)
+
+    def forget(self, url: str) -> None:
+        self.budgets.pop(url, None)
+        self._told.discard(url)
 
     def busy(self, url: str, rank: int | None, now: float) -> bool:
         """Whether the target's queued prefill is over ``threshold x budget``."""
@@ -133,7 +156,7 @@ class RouterQueue:
             if not fut.done():  # routed as it is, as if let go (those behind it keep their order)
                 self._waiting.remove(fut)
                 fut.cancel()
-                self.max_wait_total += 1
+                self.expired_total += 1
                 self._leaving += 1
         except asyncio.CancelledError:  # the client went away
             self.gone_total += 1

@@ -25,7 +25,6 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from .router_queue import budget_from_info
 from .subscriber import Subscription
 
 log = logging.getLogger("fleetserve.router")
@@ -267,10 +266,8 @@ class KvEventSources:
         if _reported_dp(info) is not None:  # its ranks for --dp-aware, should it publish no events (policy.ranks)
             self.policy.dp_ranks[url] = tuple(range(dp))
         queue = self.policy.router_queue
-        if queue is not None:  # its prefill tokens per step, for --router-queue-threshold's busy test
-            budget = budget_from_info(info)
-            if budget is not None:
-                queue.budgets[url] = budget
+        if queue is not None and self._why.get(url) is None:  # its prefill budget (--router-queue-threshold)
+            queue.learned(url, info)
         ep = self.flag_endpoints.get(url)
         self._connects.pop(url, None)
         connects = connecting_endpoint(info) if ep is None else None
@@ -288,7 +285,7 @@ class KvEventSources:
         for s in subs.values():
             s.stop(timeout=0.5)
         if self.policy.router_queue is not None:
-            self.policy.router_queue.budgets.pop(url, None)
+            self.policy.router_queue.forget(url)
         self.policy.index.drop_worker(url)
         self._asked.pop(url, None)
         self._told.discard(url)
