@@ -1,4 +1,5 @@
-"""The ``/get_server_info`` fields a router reads to find an instance's KV-event streams.
+"""The ``/get_server_info`` fields a router reads to find an instance's KV-event streams and its
+prefill budget (``--router-queue-threshold``).
 
 Shared by ``fleetserve serve`` (``entrypoints/http/admin.py``) and
 ``fleetserve sim-worker`` so both answer in one shape. A router such as ours
