@@ -67,8 +67,9 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
                    help="kv_aware: (target, block) entries the event index keeps, all workers together")
     g.add_argument("--kv-loads-interval-secs", type=float, default=d.kv_loads_interval_secs,
-                   help="kv_aware: poll each worker's GET /v1/loads this often and use its token load while "
-                        "fresh (3 intervals); 0: router-side counts only")
+                   help="kv_aware: poll each worker's GET /v1/loads (SGLang's; for a worker without it, vLLM's "
+                        "gauges on GET /metrics) this often and use its token load while fresh (3 intervals); "
+                        "0: router-side counts only")
     g.add_argument("--dp-aware", action="store_true",
                    help="kv_aware: each DP rank of a worker is a target; the request names the chosen rank "
                         "(routed_dp_rank in the body, X-data-parallel-rank header)")

@@ -204,12 +204,15 @@ class HeldPrefixes:
             return self.running_union()
         return union_of_prefixes([*self.waiting, *self.running], self.page)
 
-    def counted(self, counts_from: float | None) -> int:
+    def counted(self, counts_from: float | None, waiting: bool = True) -> int:
         """The cached tokens of these requests that an engine snapshot counting the requests sent
         before ``counts_from`` (monotonic seconds; None: no snapshot, 0) holds: the running union plus
-        the waiting keys sent before then."""
+        the waiting keys sent before then (``waiting=False``: the union alone, for a figure that counts
+        no waiting request, vLLM's)."""
         if counts_from is None:
             return 0
+        if not waiting:
+            return self.running_union()
         total = self.waiting_tokens
         for k in reversed(self.waiting):
             if k.charged[2] < counts_from:

@@ -35,8 +35,20 @@ be refreshed says nothing about now, and kept, it would still count requests
 that ended long ago and push traffic away from an idle worker.  A
 timeout or a connection error is asked again at the next interval: the worker
 has the endpoint and is only slow (a CPU engine answers between two steps).
-A worker that answers with anything but 200 JSON figures (vLLM; an older
-engine) is asked again only every :data:`RETRY_MISSING_S`.
+A worker that answers ``/v1/loads`` with anything but 200 JSON figures (vLLM; an older
+engine) is asked ``GET /metrics`` instead, in the same poll: where that has vLLM's scheduler
+gauges (:func:`vllm_figures`), the worker is polled there from then on.  A worker that has
+neither is asked again only every :data:`RETRY_MISSING_S`.
+
+vLLM's figures differ from SGLang's in what they count: ``vllm:kv_cache_usage_perc`` is the
+share of the KV blocks that running requests reference (vLLM's ``BlockPool.get_usage``, which
+leaves cached blocks no request uses out, as SGLang's ``num_used_tokens`` leaves evictable
+slots out), and no figure counts the waiting requests' prompts.  So a vLLM snapshot's tokens
+are the running requests' KV alone (:attr:`EngineLoads.running_only`), the cached prefixes
+the policy takes off it are the running requests' only (:meth:`.held.HeldPrefixes.counted`),
+it has no waiting tokens, and its ``num_waiting_reqs`` is ``vllm:num_requests_waiting`` (vLLM's
+default scheduling is first come first served, which :meth:`.policy.KvAwarePolicy.
+engine_snapshot` assumes).
 """
 
 from __future__ import annotations
@@ -44,12 +56,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
+
+from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("fleetserve.router")
 
 STALE_INTERVALS = 3  # a snapshot older than this many intervals is not used
 RETRY_MISSING_S = 10.0
+# the lines of vLLM's /metrics that vllm_figures reads (all others are skipped unparsed: the page has
+# hundreds of histogram lines); the deprecated gpu_cache_usage_perc is vLLM's name before 0.9
+_VLLM_LINES = re.compile(r"^vllm:(?:num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc|"
+                         r"cache_config_info)[{ \t].*$", re.M)
 
 
 def taken_at(doc) -> float | None:
@@ -113,6 +132,61 @@ def ranks_capacity(doc) -> dict[int, int]:
     return out
 
 
+def vllm_figures(text: str) -> tuple[dict[int, int], dict[int, int], dict[int, int]] | None:
+    """``({dp_rank: KV tokens running requests hold}, {dp_rank: requests waiting}, {dp_rank: KV pool
+    tokens})`` from vLLM's Prometheus ``/metrics`` text; None when it has no usable figures.
+
+    Read, per ``engine`` label (the DP rank; none: rank 0), from the gauges vLLM v1's
+    ``PrometheusStatLogger`` exports (vllm/v1/metrics/loggers.py): ``vllm:kv_cache_usage_perc``
+    (else the older ``vllm:gpu_cache_usage_perc``; a share in [0, 1]), ``vllm:num_requests_waiting``,
+    and the ``block_size`` and ``num_gpu_blocks`` labels of ``vllm:cache_config_info``.  vLLM's usage
+    is ``1 - free_blocks / (num_gpu_blocks - 1)`` (``BlockPool.get_usage``; one block is its null
+    block), so the tokens are ``round(usage * (num_gpu_blocks - 1) * block_size)`` and the pool
+    ``(num_gpu_blocks - 1) * block_size``.  A rank without ``cache_config_info`` has no token figure.
+    Values that are not finite, negative, or not numbers are skipped; several samples of one rank
+    (more than one ``model_name``) count the largest.
+    """
+    lines = _VLLM_LINES.findall(text)
+    if not lines:
+        return None
+    usage: dict[int, float] = {}
+    old_usage: dict[int, float] = {}
+    waiting: dict[int, int] = {}
+    pools: dict[int, int] = {}
+    try:
+        families = list(text_string_to_metric_families("\n".join(ln.rstrip() for ln in lines) + "\n"))
+    except Exception:  # a line the parser refuses: no figures from this answer
+        return None
+    for fam in families:
+        for s in fam.samples:
+            try:
+                rank = int(s.labels.get("engine", "0"))
+            except ValueError:
+                continue
+            v = s.value
+            if rank < 0 or not math.isfinite(v) or v < 0:
+                continue
+            name = s.name
+            if name == "vllm:cache_config_info":
+                try:
+                    blocks, size = int(s.labels["num_gpu_blocks"]), int(s.labels["block_size"])
+                except (KeyError, ValueError):  # not known yet ("None"), or absent
+                    continue
+                if blocks > 1 and size > 0:
+                    pools[rank] = (blocks - 1) * size
+            elif name == "vllm:num_requests_waiting":
+                waiting[rank] = max(waiting.get(rank, 0), int(v))
+            elif v <= 1.0:
+                into = usage if name == "vllm:kv_cache_usage_perc" else old_usage
+                into[rank] = max(into.get(rank, 0.0), v)
+    for rank, v in old_usage.items():
+        usage.setdefault(rank, v)
+    tokens = {r: round(u * pools[r]) for r, u in usage.items() if r in pools}
+    if not tokens:
+        return None
+    return tokens, {r: n for r, n in waiting.items() if r in tokens}, {r: pools[r] for r in tokens}
+
+
 class EngineLoads:
     """Worker url -> snapshot ``(arrived, {dp_rank: tokens}, asked, taken)`` (monotonic seconds; ``taken``:
     when the engine took the figures, from its ``timestamp``, else ``arrived``); polled by :meth:`run`."""
@@ -126,12 +200,16 @@ class EngineLoads:
         self._prefilled: dict[str, dict[int | None, int]] = {}  # url -> rank -> waiting tokens prefilled since
         self.pools: dict[str, dict[int, int]] = {}  # url -> {dp_rank: KV pool size in tokens}
         self.waiting_reqs: dict[str, dict[int, int]] = {}  # url -> {dp_rank: requests waiting} of the snapshot
+        # the workers polled at GET /metrics (vLLM's gauges, vllm_figures) because they have no /v1/loads;
+        # their snapshots count the running requests' KV only (no waiting requests' prompts)
+        self.running_only: set[str] = set()
         # called with the url after every new snapshot (the policy infers which of its non-streamed
         # requests have left the engine's queue: policy.KvAwarePolicy.engine_snapshot)
         self.on_snapshot = None
         # url -> rank or None -> figures() of the current snapshot while fresh; dropped with every change of
         # the url's snapshot or of what this router saw end or prefill since (the policy asks per request)
         self._figures: dict[str, dict[int | None, tuple[int | None, int | None]]] = {}
+        self._via_metrics: set[str] = set()  # the workers asked GET /metrics, not /v1/loads (vLLM)
         self.polls = 0
         self.failures = 0
 
@@ -194,12 +272,18 @@ class EngineLoads:
 
     def put(self, url: str, per_rank: dict[int, int], now: float | None = None, asked: float | None = None,
             taken: float | None = None, waiting: dict[int, int] | None = None,
-            waiting_reqs: dict[int, int] | None = None) -> None:
+            waiting_reqs: dict[int, int] | None = None, running_only: bool = False) -> None:
         """A new snapshot: ``per_rank`` as reported, arrived ``now``, asked for at ``asked`` (default: ``now``),
         taken by the engine at ``taken`` (monotonic; default: none known, the age counts from ``now``);
         ``waiting``: ``{dp_rank: num_waiting_uncached_tokens}`` and ``waiting_reqs``: ``{dp_rank:
-        num_waiting_reqs}`` when the engine reports them.  Then :attr:`on_snapshot` is called with ``url``."""
+        num_waiting_reqs}`` when the engine reports them; ``running_only``: ``per_rank`` counts the
+        running requests' KV alone, not the waiting requests' prompts (vLLM's figures, :func:`vllm_figures`).
+        Then :attr:`on_snapshot` is called with ``url``."""
         now = time.monotonic() if now is None else now
+        if running_only:
+            self.running_only.add(url)
+        else:
+            self.running_only.discard(url)
         self.snapshots[url] = (now, per_rank, now if asked is None else asked, now if taken is None else min(taken, now))
         self._figures.pop(url, None)
         self._ended.pop(url, None)
@@ -273,6 +357,8 @@ class EngineLoads:
         self.waiting_reqs.pop(url, None)
         self._missing.pop(url, None)
         self.pools.pop(url, None)
+        self.running_only.discard(url)
+        self._via_metrics.discard(url)
 
     async def poll(self, router) -> None:
         """Ask every registered worker once, concurrently; drop removed workers' snapshots."""
@@ -284,37 +370,54 @@ class EngineLoads:
         await asyncio.gather(*(self._ask(router, u) for u in ask))
 
     async def _ask(self, router, url: str) -> None:
+        """One poll of ``url``: ``/v1/loads``, or vLLM's ``/metrics`` where it has no ``/v1/loads``."""
         import aiohttp
 
         self.polls += 1
         asked = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=max(self.interval_s, 0.5))
         per = stamp = waiting = waiting_reqs = None
+        running_only = url in self._via_metrics
         try:
-            timeout = aiohttp.ClientTimeout(total=max(self.interval_s, 0.5))
-            async with router.session.get(url + "/v1/loads?include=core", headers=router.own_headers(url),
-                                          timeout=timeout) as r:
-                if r.status == 200:
-                    try:
-                        doc = await r.json(content_type=None)
-                        per, stamp, waiting = ranks_tokens(doc), taken_at(doc), ranks_waiting(doc)
-                        waiting_reqs = ranks_waiting_reqs(doc)
-                        pools = ranks_capacity(doc)
-                        if pools:
-                            self.pools[url] = pools
-                    except ValueError:  # not JSON
-                        per = None
+            if not running_only:
+                async with router.session.get(url + "/v1/loads?include=core", headers=router.own_headers(url),
+                                              timeout=timeout) as r:
+                    if r.status == 200:
+                        try:
+                            doc = await r.json(content_type=None)
+                            per, stamp, waiting = ranks_tokens(doc), taken_at(doc), ranks_waiting(doc)
+                            waiting_reqs = ranks_waiting_reqs(doc)
+                            pools = ranks_capacity(doc)
+                            if pools:
+                                self.pools[url] = pools
+                        except ValueError:  # not JSON
+                            per = None
+            if per is None:  # no /v1/loads figures: vLLM's gauges on its /metrics, if it has them
+                async with router.session.get(url + "/metrics", headers=router.own_headers(url),
+                                              timeout=timeout) as r:
+                    got = vllm_figures(await r.text(errors="replace")) if r.status == 200 else None
+                if got is not None:
+                    per, waiting_reqs, self.pools[url] = got
+                    if not running_only:
+                        log.info("kv loads: %s has no /v1/loads; its load is read from vLLM's gauges on "
+                                 "/metrics (running requests' KV only)", url)
+                    self._via_metrics.add(url)
+                    running_only = True
+                else:
+                    self._via_metrics.discard(url)
         except Exception as e:  # unreachable or slow: no figure now; the router-side count is in charge
-            log.debug("kv loads: %s/v1/loads: %s", url, e)
+            log.debug("kv loads: %s: %s", url, e)
             self._drop(url)
             return  # asked again at the next interval
-        if per is None:  # the worker has no such endpoint (404, not JSON, no figures): ask again much later
+        if per is None:  # the worker has neither (404, not JSON, no figures): ask again much later
             self._drop(url)
             self._missing[url] = time.monotonic()
             return
         self._missing.pop(url, None)
         now = time.monotonic()
         taken = None if stamp is None else now - max(0.0, time.time() - stamp)
-        self.put(url, per, now, asked=asked, taken=taken, waiting=waiting, waiting_reqs=waiting_reqs)
+        self.put(url, per, now, asked=asked, taken=taken, waiting=waiting, waiting_reqs=waiting_reqs,
+                 running_only=running_only)
 
     def _drop(self, url: str) -> None:
         """A poll of ``url`` failed: its snapshot says nothing about now (the pool size is kept)."""
@@ -325,6 +428,7 @@ class EngineLoads:
         self._prefilled.pop(url, None)
         self.waiting.pop(url, None)
         self.waiting_reqs.pop(url, None)
+        self.running_only.discard(url)
 
     async def run(self, router) -> None:
         while True:

@@ -15,7 +15,8 @@
   prefix; ``dp_rank`` is ``-`` for a whole worker (no ``--dp-aware``: the worker picks the rank,
   as in the route header). Every target chosen since its worker was added is listed, 0 when idle.
 * ``engine_load_tokens{worker,dp_rank}``: the engines' fresh ``/v1/loads`` ``num_total_tokens``
-  (less the prompts of this router's requests that ended since the snapshot), as the engine counts:
+  (for a vLLM worker, the running requests' KV from its ``/metrics`` gauges: :func:`.loads.vllm_figures`)
+  less the prompts of this router's requests that ended since the snapshot, as the engine counts:
   the cached prefixes of this router's requests included.
 * ``cost_load_tokens{worker,dp_rank}``: the load term the cost uses per target (``dp_rank`` ``-``
   for a whole worker): the larger of ``load_tokens`` and the engine's figure in the router's
@@ -109,7 +110,9 @@ def families(policy):
     yield checks
     el = policy.engine_loads
     if el is not None:
-        eng = GaugeMetricFamily(_P + "engine_load_tokens", "Fresh /v1/loads num_total_tokens per worker and DP rank",
+        eng = GaugeMetricFamily(_P + "engine_load_tokens", "Fresh engine load per worker and DP rank: "
+                                "/v1/loads num_total_tokens, or for a vLLM worker the running requests' KV "
+                                "from its /metrics",
                                 labels=["worker", "dp_rank"])
         for url in list(el.snapshots):
             for rank in sorted(el.snapshots[url][1]):

@@ -310,7 +310,7 @@ def _pending_prefix(tokens: list[int], limit: int, queued_keys, text: str | None
     return best
 
 
-def _held_cached(held: HeldPrefixes, counts_from: float | None) -> int:
+def _held_cached(held: HeldPrefixes, counts_from: float | None, waiting: bool = True) -> int:
     """Cached prompt tokens (``cached_tokens`` at their decision) of this router's in-flight requests on
     a target (``held``) that its engine snapshot counts (sent before ``counts_from``, :meth:`.loads.
     EngineLoads.counts_from`; None: no snapshot, 0).
@@ -324,9 +324,10 @@ def _held_cached(held: HeldPrefixes, counts_from: float | None) -> int:
     term and the engines' loads).  Taking these tokens off puts the engine's figure in the
     router's units; what is left over the router's count is traffic it did not send.  Running
     requests that share a cached prefix hold it once, so their part is the union of their prefixes,
-    waiting ones count each (:mod:`.held`).
+    waiting ones count each (:mod:`.held`).  ``waiting=False``: the engine's figure counts no waiting
+    request (vLLM's, :attr:`.loads.EngineLoads.running_only`), so only the running union comes off.
     """
-    return held.counted(counts_from)
+    return held.counted(counts_from, waiting)
 
 
 def idle_rule(best_wait: float, idle_wait: float, abs_threshold: float, rel_threshold: float) -> bool:
@@ -674,7 +675,8 @@ class KvAwarePolicy:
                 if seen is not None and seen > load:
                     held = self.held.get(lk)
                     if held is not None:  # in the router's units: without the cached prefixes of its requests it counts
-                        seen = max(0, seen - _held_cached(held, engine_loads.counts_from(url)))
+                        seen = max(0, seen - _held_cached(held, engine_loads.counts_from(url),
+                                                          url not in engine_loads.running_only))
                     if seen > load:
                         load = seen
                 if queue_weight and waiting is not None and waiting > queued:  # its prefill work ahead
@@ -782,7 +784,8 @@ class KvAwarePolicy:
             if seen is not None and seen > load:
                 held = self.held.get(lk)
                 if held is not None:
-                    seen = max(0, seen - _held_cached(held, engine_loads.counts_from(url)))
+                    seen = max(0, seen - _held_cached(held, engine_loads.counts_from(url),
+                                                      url not in engine_loads.running_only))
                 if seen > load:
                     load = seen
         return load
