@@ -56,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,10 +64,28 @@ log = logging.getLogger("fleetserve.router")
 
 STALE_INTERVALS = 3  # a snapshot older than this many intervals is not used
 RETRY_MISSING_S = 10.0
-# the lines of vLLM's /metrics that vllm_figures reads (all others are skipped unparsed: the page has
+# the gauges of vLLM's /metrics that vllm_figures reads (all other lines are skipped unparsed: the page has
 # hundreds of histogram lines); the deprecated gpu_cache_usage_perc is vLLM's name before 0.9
-_VLLM_LINES = re.compile(r"^vllm:(?:num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc|"
-                         r"cache_config_info)[{ \t].*$", re.M)
+_VLLM_GAUGES = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                "vllm:cache_config_info")
+
+
+def _gauge_lines(text: str, names) -> list[str]:
+    """The sample lines of ``text`` (Prometheus text format) whose metric name is one of ``names``."""
+    text = "\n" + text
+    out = []
+    for name in names:
+        key = "\n" + name
+        n = len(key)
+        i = text.find(key)
+        while i >= 0:
+            end = text.find("\n", i + n)
+            if end < 0:
+                end = len(text)
+            if end > i + n and text[i + n] in "{ \t":  # not a longer name that starts alike
+                out.append(text[i + 1:end].rstrip())
+            i = text.find(key, end)
+    return out
 
 
 def taken_at(doc) -> float | None:
@@ -146,7 +163,7 @@ def vllm_figures(text: str) -> tuple[dict[int, int], dict[int, int], dict[int, i
     Values that are not finite, negative, or not numbers are skipped; several samples of one rank
     (more than one ``model_name``) count the largest.
     """
-    lines = _VLLM_LINES.findall(text)
+    lines = _gauge_lines(text, _VLLM_GAUGES)
     if not lines:
         return None
     usage: dict[int, float] = {}
@@ -154,7 +171,7 @@ def vllm_figures(text: str) -> tuple[dict[int, int], dict[int, int], dict[int, i
     waiting: dict[int, int] = {}
     pools: dict[int, int] = {}
     try:
-        families = list(text_string_to_metric_families("\n".join(ln.rstrip() for ln in lines) + "\n"))
+        families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
     except Exception:  # a line the parser refuses: no figures from this answer
         return None
     for fam in families:
