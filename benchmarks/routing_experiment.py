@@ -33,6 +33,10 @@ publish KV events, under KV pressure, two router replicas, direct traffic, DP ra
 Poisson rates around each router's sustainable rate (found by a lockstep bisection),
 with queue figures per rate.
 
+``--sim-loads-api vllm`` (every part) starts the sim-workers with ``--loads-api vllm``: they
+answer load queries as vLLM servers do (no ``/v1/loads``; vLLM's gauges on ``/metrics``), to
+see the routers against vLLM-like workers; default ``sglang``.
+
 Arrivals are Poisson (``--rate-per-worker`` / ``--rate``) unless a closed
 loop is asked for (``--max-concurrency...``: that many requests in flight,
 as SGLang's bench_serving ``--max-concurrency``).
@@ -253,6 +257,19 @@ def routers(sweep: bool, bounded: tuple[float, ...] = ()) -> list[tuple[str, str
 
 
 # ---------------------------------------------------------------------- sim
+def sim_loads_args(a: argparse.Namespace) -> list[str]:
+    """The sim-worker flags for ``--sim-loads-api`` (passed to every sim-worker the parts start)."""
+    return ["--loads-api", getattr(a, "sim_loads_api", "sglang")]
+
+
+def sim_loads_note(a: argparse.Namespace) -> str:
+    """A sentence for the doc sections when the sim-workers answer loads as vLLM does, else ``""``."""
+    if getattr(a, "sim_loads_api", "sglang") != "vllm":
+        return ""
+    return ("The sim-workers ran with `--loads-api vllm`: no `/v1/loads` or `/get_load` (404, as a vLLM "
+            "server), vLLM's per-rank gauges on `/metrics`. ")
+
+
 def write_sim_doc(a: argparse.Namespace, sections: list) -> None:
     body = [
         "Simulated workers: `fleetserve sim-worker`, profile `h100-llama8b` (Llama-3.1-8B bf16 on one H100, "
@@ -272,7 +289,7 @@ def write_sim_doc(a: argparse.Namespace, sections: list) -> None:
         "the previous one finished). Both cache_aware routers run with sgl-router's default thresholds "
         "(cache 0.3, balance abs 64 / rel 1.5); the sweep rows vary one of them on our router. Every run "
         "starts from empty worker caches and a fresh router process. Ratios are to round robin on the same "
-        "table (TTFT: lower is better). " + a.note, ""]
+        "table (TTFT: lower is better). " + sim_loads_note(a) + a.note, ""]
     for n, wname, rate, scale, rows in sections:
         load = (f"{a.max_concurrency_per_worker * n} in flight" if a.max_concurrency_per_worker
                 else f"{rate:g} req/s")
@@ -303,7 +320,8 @@ def sim_part(a: argparse.Namespace) -> None:
         for wname in a.workloads:
             scale = a.time_scale if wname == "shared_prefix" else a.time_scale_multi_turn
             sim_flags = ["--port", str(port0), "--num-workers", str(n), "--time-scale", str(scale),
-                         "--stream-interval", str(a.stream_interval), "--max-total-tokens", str(a.max_total_tokens)]
+                         "--stream-interval", str(a.stream_interval), "--max-total-tokens", str(a.max_total_tokens),
+                         *sim_loads_args(a)]
             wp = start([PY, "-m", "fleetserve.cli", "sim-worker", *sim_flags], logdir / f"sim-{n}-{wname}.log")
             try:
                 wait_healthy(urls, [wp], 120)
@@ -384,7 +402,7 @@ def engine_part(a: argparse.Namespace) -> None:
 
     if a.sim_worker is not None:  # a cheap stand-in: one sim-worker per instance (same ports, events, pool)
         serve = ["sim-worker", "--tokenizer", "smollm2", "--model-name", a.model, "--num-workers", "1",
-                 *shlex.split(a.sim_worker)]
+                 *sim_loads_args(a), *shlex.split(a.sim_worker)]
     else:
         serve = ["serve"]
     procs = [start([PY, "-m", "fleetserve.cli", *serve, "--host", "127.0.0.1", "--port", str(port0 + i),
@@ -429,7 +447,8 @@ def engine_part(a: argparse.Namespace) -> None:
             f"question {a.question_len} tokens; multi_turn {a.conversations} conversations x {a.turns} turns, "
             f"{a.question_len}-token questions; {a.output_len} output tokens; {load_text(a)}; "
             f"{threads} torch thread{'' if threads == 1 else 's'} per instance. "
-            "Caches flushed and a fresh router before every run; ratios to round robin. " + a.note, "",
+            "Caches flushed and a fresh router before every run; ratios to round robin. "
+            + (sim_loads_note(a) if a.sim_worker is not None else "") + a.note, "",
             f"1-minute load average: {loads[0]:.1f} at the start, {loads[1]:.1f} at the end (the machine is shared).",
             ""]
     for wname, rows in sections:
@@ -513,6 +532,9 @@ def main() -> None:
         q.add_argument("--no-doc", action="store_true")
         q.add_argument("--bounded-load", type=float, nargs="*", default=[],
                        help="also run our cache_aware with each of these --bounded-load-factor values")
+        q.add_argument("--sim-loads-api", choices=("sglang", "vllm"), default="sglang",
+                       help="every sim-worker started gets --loads-api this: vllm: the workers answer loads as "
+                            "vLLM servers do (/v1/loads and /get_load 404, vLLM's gauges on /metrics)")
     a = p.parse_args()
     counts = ("workers", "instances", "stream_interval", "max_total_tokens", "max_concurrency", "max_concurrency_per_worker", "threads_per_instance",
               "groups", "prompts_per_group", "system_len", "conversations", "turns", "question_len", "output_len")
@@ -532,6 +554,8 @@ def main() -> None:
             shlex.split(a.engine_args)
         except ValueError as e:
             p.error(f"--engine-args: {e}")
+        if a.sim_loads_api != "sglang" and a.sim_worker is None:
+            p.error("--sim-loads-api applies to sim-workers: give --sim-worker too")
     a.argv = sys.argv[2:]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop workers, router
     try:

@@ -609,7 +609,7 @@ def table(rows: list[dict], direct: bool = False) -> str:
 
 
 def kv_part(a: argparse.Namespace) -> None:
-    from routing_experiment import RESULTS, start, stop, wait_healthy
+    from routing_experiment import RESULTS, sim_loads_args, start, stop, wait_healthy
 
     if a.rates:
         import routing_kv_rate
@@ -637,7 +637,7 @@ def kv_part(a: argparse.Namespace) -> None:
         scale = a.time_scale
         sim = ["--port", str(HTTP0), "--num-workers", str(n), "--time-scale", str(scale), "--stream-interval",
                str(a.stream_interval), "--max-total-tokens", str(a.max_total_tokens), "--page-size", str(PAGE),
-               "--tokenizer", "smollm2", "--kv-events-config", json.dumps(cfg)]
+               "--tokenizer", "smollm2", "--kv-events-config", json.dumps(cfg), *sim_loads_args(a)]
         if dp > 1:
             sim += ["--dp-size", str(dp)]
         wp = start([bench_cli.sys.executable, "-m", "fleetserve.cli", "sim-worker", *sim], logdir / f"sim-{name}.log")
@@ -654,7 +654,7 @@ def kv_part(a: argparse.Namespace) -> None:
                   f"k = {scale:g}", flush=True)
             rows = []
             all_rows[name] = {"workload": wname, "workers": n, "dp": dp, "replicas": nrep, "direct_share": share,
-                              "rate": rate, "requests": len(reqs), "rows": rows}
+                              "rate": rate, "requests": len(reqs), "loads_api": a.sim_loads_api, "rows": rows}
             for label, kind, flags in routers(dp > 1, tdir, have_peer, bool(a.baseline_src), tuple(a.kv_variant)):
                 if label in a.skip or (label == "round_robin" and not name.startswith("pressure")
                                        and not a.with_round_robin):
@@ -693,6 +693,8 @@ def load_range(all_rows: dict) -> str:
 def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
     if a.no_doc:
         return
+    from routing_experiment import sim_loads_note
+
     body = [
         "Simulated workers (`fleetserve sim-worker`, timing profile `h100-llama8b`, "
         f"`--page-size {PAGE}`, `--tokenizer smollm2`, `--stream-interval {a.stream_interval}`) publishing "
@@ -730,7 +732,7 @@ def write_doc(a: argparse.Namespace, all_rows: dict, have_peer: bool) -> None:
           f"{load_range(all_rows)}), so absolute figures are noisy; compare rows within a table. "
         + ("Rows `(before)` run the router from `--baseline-src`, the code before a change. " if a.baseline_src
            else "") + ("" if a.with_round_robin else "Round robin runs in the KV-pressure tables only. ")
-        + a.note, ""]
+        + sim_loads_note(a) + a.note, ""]
     titles = {"pressure-shared_prefix": "KV pressure, shared_prefix",
               "pressure-multi_turn": "KV pressure, multi_turn",
               "replicas": "two router replicas, traffic split at random",

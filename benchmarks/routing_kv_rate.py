@@ -299,7 +299,7 @@ def _window_rows(s: dict, marks: Sequence[float]) -> list[dict]:
 # run that measured, whatever the render's own command line says
 RUN_SETTINGS = ("conversations", "turns", "mt_system_len", "question_len", "output_len", "groups",
                 "prompts_per_group", "system_len", "stream_interval", "max_total_tokens", "time_scale",
-                "watch_every", "note", "window_marks", "foreign_by", "title")
+                "watch_every", "note", "window_marks", "foreign_by", "title", "sim_loads_api")
 
 
 def as_run(a: argparse.Namespace, res: dict) -> argparse.Namespace:
@@ -310,7 +310,7 @@ def as_run(a: argparse.Namespace, res: dict) -> argparse.Namespace:
 
 def rate_part(a: argparse.Namespace) -> None:
     import routing_kv as rk
-    from routing_experiment import RESULTS, start, stop, wait_healthy
+    from routing_experiment import RESULTS, sim_loads_args, start, stop, wait_healthy
     from doc_section import now_stamp
 
     from fleetserve.bench import cli as bench_cli
@@ -346,7 +346,8 @@ def rate_part(a: argparse.Namespace) -> None:
            "topic": "kv"}
     sim = ["--port", str(rk.HTTP0), "--num-workers", str(n), "--time-scale", str(a.time_scale),
            "--stream-interval", str(a.stream_interval), "--max-total-tokens", str(a.max_total_tokens),
-           "--page-size", str(rk.PAGE), "--tokenizer", "smollm2", "--kv-events-config", json.dumps(cfg)]
+           "--page-size", str(rk.PAGE), "--tokenizer", "smollm2", "--kv-events-config", json.dumps(cfg),
+           *sim_loads_args(a)]
     if dp > 1:
         sim += ["--dp-size", str(dp)]
     rows_def = [r for r in rk.routers(dp > 1, tdir, have_peer, bool(a.baseline_src), tuple(a.kv_variant))
@@ -531,6 +532,7 @@ def probe_table(res: dict) -> str:
 
 def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
     from doc_section import now_stamp, write_section
+    from routing_experiment import sim_loads_note
 
     if a.no_doc:
         return
@@ -585,7 +587,7 @@ def write_rate_doc(a: argparse.Namespace, res: dict) -> None:
         "wall time; a worker decodes whenever anything runs, so this nears 100% well below capacity and is not "
         "a capacity measure. **sim late**: how far the simulated steps ran past their modelled end, as a share "
         "of busy time (a few % is harmless). **load avg**: the machine's 1-minute load average at the end of "
-        f"the row (2 cores, shared; {lo:.1f}-{hi:.1f} over the run). " + a.note, ""]
+        f"the row (2 cores, shared; {lo:.1f}-{hi:.1f} over the run). " + sim_loads_note(a) + a.note, ""]
     if res.get("probes"):
         body += ["### Capacity search (open-loop probes, geometric bisection, routers in lockstep)", "",
                  "A probe is *sustained* when at most max(4, 3% of the requests) were still waiting for their first "

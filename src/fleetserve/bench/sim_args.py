@@ -36,6 +36,11 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="DP-attention ranks per worker (SGLang's --dp-size), each with its own radix cache and "
                         "KV pool; a request names its rank with routed_dp_rank or X-data-parallel-rank, else "
                         "the ranks take turns")
+    p.add_argument("--loads-api", choices=("sglang", "vllm"), default="sglang",
+                   help="the load surface a router sees: sglang: /get_load and /v1/loads in SGLang's shapes; "
+                        "vllm: as a vLLM server, those routes answer 404 and /metrics adds vLLM's per-rank "
+                        "gauges (vllm:num_requests_running, vllm:num_requests_waiting, "
+                        "vllm:kv_cache_usage_perc, vllm:cache_config_info)")
     p.add_argument("--access-log", action="store_true",
                    help="log one line per HTTP request (aiohttp's access log, to stderr); off by default")
     timing_model.add_arguments(p)

@@ -17,6 +17,15 @@ offset) with ``page_size`` and ``dp_size``, so a router finds the stream from
 the worker URL alone. ``/get_load`` and ``/v1/loads`` answer in the engine's
 (SGLang's) shapes, built by the same code (:mod:`fleetserve.entrypoints.load_view`).
 
+``--loads-api vllm`` shows a router the load surface of a vLLM server instead: ``/get_load``
+and ``/v1/loads`` answer FastAPI's 404 (``{"detail":"Not Found"}``), and ``/metrics`` adds,
+per DP rank (label ``engine``), the series vLLM v1 exports (``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and vLLM's token counters, as
+:mod:`fleetserve.entrypoints.metrics_compat` names them) and ``vllm:cache_config_info``, whose
+``num_gpu_blocks`` is the rank's pool in pages plus vLLM's null block, so that
+``vllm:kv_cache_usage_perc`` (vLLM's ``1 - free / (num_gpu_blocks - 1)``) is exactly
+``kv_used_tokens / kv_pool_size``. ``/get_server_info`` is the same in both.
+
 ``--dp-size D`` gives each worker ``D`` DP-attention ranks, each its own
 :class:`SimEngine` with its own radix cache and KV pool (as SGLang's DP attention
 keeps one per rank). A request names its rank as SGLang's router sends it
@@ -53,6 +62,8 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fleetserve.bench import timing_model
 from fleetserve.bench.sim_args import build_parser, check_args
@@ -65,6 +76,7 @@ from fleetserve.entrypoints.load_view import (
     LoadsQueryError, legacy_load, loads_body, loads_prometheus, parse_loads_query, select_ranks,
 )
 from fleetserve.entrypoints.metrics import CONTENT_TYPE
+from fleetserve.entrypoints.metrics_compat import VLLM
 from fleetserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from fleetserve.entrypoints.ports import port_range_error
 from fleetserve.entrypoints.request_parse import parse_model
@@ -76,6 +88,9 @@ from fleetserve.entrypoints.validation import (
 
 WORKER_HEADER = "X-Fleetserve-Worker"
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the engine's default --max-request-bytes (entrypoints/http/state.py): 413 past it
+LOADS_APIS = ("sglang", "vllm")  # --loads-api
+# FastAPI's answer (vLLM's server) for a route it does not have: 404, this body, compact JSON
+FASTAPI_NOT_FOUND = '{"detail":"Not Found"}'
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -116,6 +131,41 @@ def chat_prompt_ids(tok, request: ChatCompletionRequest) -> list[int]:
                            request.chat_template_kwargs)
 
 
+async def _fastapi_not_found(_req: web.Request) -> web.Response:
+    """What a vLLM server answers on a route it lacks (``/v1/loads``, ``/get_load``), whatever the method."""
+    return web.Response(body=FASTAPI_NOT_FOUND.encode(), status=404, headers={"Content-Type": "application/json"})
+
+
+class _VllmRanks:
+    """A ``prometheus_client`` collector of the series vLLM v1's Prometheus logger exports per engine
+    (here: per DP rank, label ``engine``), from one scrape's figures of every rank.
+
+    Args:
+        model_name: the ``model_name`` label.
+        ranks: ``(stats, page_size)`` of each rank in rank order (``stats.dp_rank`` set).
+    """
+
+    def __init__(self, model_name: str, ranks: list):
+        self.model_name = model_name
+        self.ranks = ranks
+
+    def collect(self):
+        for name, kind, doc, get in VLLM:  # the names and values ``fleetserve serve`` exports for vLLM
+            fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc,
+                                                                                  labels=["model_name", "engine"])
+            for s, _page in self.ranks:
+                fam.add_metric([self.model_name, str(s.dp_rank)], float(get(s)))
+            yield fam
+        # vLLM's info gauge: the cache config's fields as string labels, value 1; no model_name label.
+        # num_gpu_blocks counts vLLM's null block (never handed out), hence the pool's pages + 1
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "cache_dtype", "enable_prefix_caching",
+                                         "gpu_memory_utilization", "num_gpu_blocks", "engine"])
+        for s, page in self.ranks:
+            info.add_metric([str(page), "auto", "True", "0.9", str(s.kv_pool_size // page + 1), str(s.dp_rank)], 1.0)
+        yield info
+
+
 def _unavailable(e: SimEngineError) -> APIError:
     """The engine's answer when its scheduler is gone: 503 ``engine_unavailable``."""
     return APIError(str(e), 503, None, "engine_unavailable")
@@ -125,7 +175,10 @@ class SimWorker:
     """One simulated worker: an HTTP app around a :class:`SimEngine`."""
 
     def __init__(self, engine: SimEngine | list[SimEngine], tokenizer, model_name: str, stream_interval: int,
-                 url: str, kv_events_config: str | None = None):
+                 url: str, kv_events_config: str | None = None, loads_api: str = "sglang"):
+        if loads_api not in LOADS_APIS:
+            raise ValueError(f"loads_api must be one of {LOADS_APIS}, got {loads_api!r}")
+        self.loads_api = loads_api
         self.engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
         self.engine = self.engines[0]  # rank 0: the worker's name, model and KV-event endpoint
         self._next_rank = 0
@@ -144,8 +197,12 @@ class SimWorker:
         r.add_get("/v1/models", self.models)
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/get_model_info", self.model_info)
-        r.add_get("/get_load", self.get_load)
-        r.add_get("/v1/loads", self.get_loads)
+        if loads_api == "vllm":  # a vLLM server has neither route
+            r.add_route("*", "/get_load", _fastapi_not_found)
+            r.add_route("*", "/v1/loads", _fastapi_not_found)
+        else:
+            r.add_get("/get_load", self.get_load)
+            r.add_get("/v1/loads", self.get_loads)
         r.add_get("/metrics", self.metrics)
         r.add_route("*", "/flush_cache", self.flush_cache)
 
@@ -256,7 +313,17 @@ class SimWorker:
                 n = sum(getattr(ev, key) for ev in sinks)
                 lines += [f"# TYPE fleetserve:kv_events_{key}_total counter",
                           f'fleetserve:kv_events_{key}_total{{worker="{w}"}} {n}']
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        text = "\n".join(lines) + "\n"
+        if self.loads_api == "vllm":
+            text += self._vllm_metrics()
+        return web.Response(text=text, content_type="text/plain")
+
+    def _vllm_metrics(self) -> str:
+        """The vLLM series of every rank (:class:`_VllmRanks`), rendered by ``prometheus_client``."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_VllmRanks(self.model_name, [(s, e.model.page_size)
+                                                       for s, e in zip(self._rank_stats(), self.engines)]))
+        return generate_latest(registry).decode()
 
     async def flush_cache(self, _req: web.Request) -> web.Response:
         if any(e.waiting or e.running for e in self.engines):
@@ -582,7 +649,8 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None,
         for eng in ranks:
             eng.start()
         worker = SimWorker(ranks, tok, args.model_name, args.stream_interval, url,
-                           getattr(args, "kv_events_config", None) if kv_events else None)
+                           getattr(args, "kv_events_config", None) if kv_events else None,
+                           loads_api=getattr(args, "loads_api", "sglang"))
         # handler_cancellation: a client that goes away cancels its handler, so a non-streamed request is
         # aborted in the engine too (as a stream already was), not decoded to the end for nobody
         runner = web.AppRunner(worker.app, access_log=_access_logger(getattr(args, "access_log", False)),
