@@ -62,16 +62,17 @@ class Procs:
         wait_http(url + "/stats", proc=p)
         return url, p
 
-    def sim_with_events(self, *extra: str) -> str:
-        """A ``fleetserve sim-worker`` publishing KV events (ZMQ, with a replay endpoint), up: its URL."""
+    def sim_with_events(self, *extra: str, dp_size: int = 1) -> str:
+        """A ``fleetserve sim-worker`` publishing KV events (ZMQ, with a replay endpoint), up: its URL.
+        ``dp_size``: its DP ranks (rank r publishes at the endpoint's port + r, replays at the replay's + r)."""
         import json
 
         from helpers.kv_events_sub import free_port_block
 
-        http, ev = free_port_block(1), free_port_block(2)
-        cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + 1}"}
-        p = self.spawn([sys.executable, "-m", "fleetserve.cli", "sim-worker", "--port", str(http),
-                        "--kv-events-config", json.dumps(cfg), *extra])
+        http, ev = free_port_block(1), free_port_block(2 * dp_size)
+        cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{ev + dp_size}"}
+        p = self.spawn([sys.executable, "-m", "fleetserve.cli", "sim-worker", "--port", str(http), "--dp-size",
+                        str(dp_size), "--kv-events-config", json.dumps(cfg), *extra])
         url = f"http://127.0.0.1:{http}"
         wait_http(url + "/health", timeout=60, proc=p)
         return url
