@@ -172,3 +172,45 @@ def test_a_running_only_figure_takes_off_the_running_union_but_not_waiting_prefi
     el.put(A, {0: 5000}, now)  # a later /v1/loads answer counts waiting requests again
     assert A not in el.running_only and pol.load_term(A, None, now) == 4200
     assert math.isclose(pol.load_weight, 0.1)
+
+
+def test_a_page_with_more_gauge_lines_than_any_vllm_server_has_is_not_parsed():
+    from fleetserve.router.kv_events import loads
+
+    def page(extra):  # the 6 gauge lines vllm_figures reads in VLLM_METRICS, and `extra` more
+        return VLLM_METRICS + "".join('vllm:num_requests_waiting{engine="%d"} 1\n' % (9 + i) for i in range(extra))
+
+    assert vllm_figures(page(loads.MAX_GAUGE_LINES - 6))[0] == {0: 4000, 1: 8000}  # at the cap: read
+    assert vllm_figures(page(loads.MAX_GAUGE_LINES - 5)) is None
+
+
+async def test_a_metrics_page_over_the_size_cap_is_not_read_and_warned_once(start_app, monkeypatch, caplog):
+    import aiohttp
+
+    from fleetserve.router.kv_events import loads
+
+    monkeypatch.setattr(loads, "METRICS_MAX_BYTES", len(VLLM_METRICS) - 1)
+
+    async def metrics(_req):
+        return web.Response(text=VLLM_METRICS, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, url = await start_app(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, own_headers=lambda url: {},
+                                     registry=SimpleNamespace(urls=lambda: [url]))
+            el = EngineLoads(0.5)
+            with caplog.at_level("WARNING", logger="fleetserve.router"):
+                await el.poll(router)
+                el._missing.clear()  # ask again at once
+                await el.poll(router)
+            assert url not in el.snapshots and el.failures == 2
+            assert sum("is over" in r.getMessage() for r in caplog.records) == 1
+            monkeypatch.setattr(loads, "METRICS_MAX_BYTES", len(VLLM_METRICS))
+            el._missing.clear()
+            await el.poll(router)  # exactly at the cap: read
+            assert el.tokens(url, None) == 12000
+    finally:
+        await runner.cleanup()

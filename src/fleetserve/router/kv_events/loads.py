@@ -64,6 +64,8 @@ log = logging.getLogger("fleetserve.router")
 
 STALE_INTERVALS = 3  # a snapshot older than this many intervals is not used
 RETRY_MISSING_S = 10.0
+METRICS_MAX_BYTES = 8 << 20  # a /metrics page larger than this is not read for vLLM's gauges
+MAX_GAUGE_LINES = 4096  # more lines of those gauges than this (256 DP ranks x 4 is 1024): not read
 # the gauges of vLLM's /metrics that vllm_figures reads (all other lines are skipped unparsed: the page has
 # hundreds of histogram lines); the deprecated gpu_cache_usage_perc is vLLM's name before 0.9
 _VLLM_GAUGES = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
@@ -161,10 +163,11 @@ def vllm_figures(text: str) -> tuple[dict[int, int], dict[int, int], dict[int, i
     block), so the tokens are ``round(usage * (num_gpu_blocks - 1) * block_size)`` and the pool
     ``(num_gpu_blocks - 1) * block_size``.  A rank without ``cache_config_info`` has no token figure.
     Values that are not finite, negative, or not numbers are skipped; several samples of one rank
-    (more than one ``model_name``) count the largest.
+    (more than one ``model_name``) count the largest.  A page with more than :data:`MAX_GAUGE_LINES`
+    lines of these gauges is not parsed (None): no vLLM server has that many ranks.
     """
     lines = _gauge_lines(text, _VLLM_GAUGES)
-    if not lines:
+    if not lines or len(lines) > MAX_GAUGE_LINES:
         return None
     usage: dict[int, float] = {}
     old_usage: dict[int, float] = {}
@@ -227,6 +230,7 @@ class EngineLoads:
         # the url's snapshot or of what this router saw end or prefill since (the policy asks per request)
         self._figures: dict[str, dict[int | None, tuple[int | None, int | None]]] = {}
         self._via_metrics: set[str] = set()  # the workers asked GET /metrics, not /v1/loads (vLLM)
+        self._oversize: set[str] = set()  # the workers whose /metrics was too large to read (warned once)
         self.polls = 0
         self.failures = 0
 
@@ -376,6 +380,7 @@ class EngineLoads:
         self.pools.pop(url, None)
         self.running_only.discard(url)
         self._via_metrics.discard(url)
+        self._oversize.discard(url)
 
     async def poll(self, router) -> None:
         """Ask every registered worker once, concurrently; drop removed workers' snapshots."""
@@ -412,7 +417,15 @@ class EngineLoads:
             if per is None:  # no /v1/loads figures: vLLM's gauges on its /metrics, if it has them
                 async with router.session.get(url + "/metrics", headers=router.own_headers(url),
                                               timeout=timeout) as r:
-                    got = vllm_figures(await r.text(errors="replace")) if r.status == 200 else None
+                    got = None
+                    if r.status == 200:
+                        page = await r.content.read(METRICS_MAX_BYTES + 1)
+                        if len(page) <= METRICS_MAX_BYTES:
+                            got = vllm_figures(page.decode("utf-8", "replace"))
+                        elif url not in self._oversize:  # not read further: a page this large is no vLLM server's
+                            self._oversize.add(url)
+                            log.warning("kv loads: %s/metrics is over %d bytes; not read for loads", url,
+                                        METRICS_MAX_BYTES)
                 if got is not None:
                     per, waiting_reqs, self.pools[url] = got
                     if not running_only:
