@@ -214,3 +214,166 @@ async def test_a_metrics_page_over_the_size_cap_is_not_read_and_warned_once(star
             assert el.tokens(url, None) == 12000
     finally:
         await runner.cleanup()
+
+
+def big_vllm_page(engines: int = 8) -> str:
+    """A page in vLLM's order: the scheduler gauges first, hundreds of histogram lines, and
+    ``vllm:cache_config_info`` last (vLLM registers it once the engine is initialized)."""
+    head = []
+    for e in range(engines):
+        head += ['vllm:num_requests_waiting{engine="%d",model_name="m"} 1.0' % e,
+                 'vllm:kv_cache_usage_perc{engine="%d",model_name="m"} 0.25' % e]
+    hist = ['vllm:request_latency_%d_seconds_bucket{engine="%d",le="%d.0",model_name="m"} 7.0' % (h, e, b)
+            for h in range(30) for e in range(engines) for b in range(20)]
+    return "\n".join(head + hist + [info(str(e)) for e in range(engines)]) + "\n"
+
+
+async def test_a_page_sent_in_small_pieces_with_the_cache_config_last_is_read_whole(start_app):
+    """A trial found only the first buffered chunk read (aiohttp's read(n) returns what has arrived):
+    a vLLM page of 300+ KB, cache_config_info at its end, gave no figure."""
+    import asyncio
+
+    import aiohttp
+
+    page = big_vllm_page().encode()
+    assert len(page) > 300_000
+
+    async def metrics(req):
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(req)
+        for i in range(0, len(page), 8192):  # as over a network: 8 KiB pieces, a little apart
+            await resp.write(page[i:i + 8192])
+            await asyncio.sleep(0.0005)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, url = await start_app(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, own_headers=lambda url: {},
+                                     registry=SimpleNamespace(urls=lambda: [url]))
+            el = EngineLoads(2.0)
+            await el.poll(router)
+            assert el.tokens(url, None) == 8 * 4000 and el.waiting_reqs[url] == {e: 1 for e in range(8)}
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_slow_worker_does_not_hold_back_the_others_polls_nor_is_asked_twice(start_app):
+    """In the background loop (wait=False) each round asks the workers whose last poll has come back;
+    one whose /metrics takes long is not asked again while out, and the others keep fresh figures."""
+    import asyncio
+
+    import aiohttp
+
+    asked = {"fast": 0, "slow": 0}
+    release = asyncio.Event()
+
+    def app_for(name):
+        async def metrics(_req):
+            asked[name] += 1
+            if name == "slow":
+                await release.wait()
+            return web.Response(text=VLLM_METRICS, content_type="text/plain")
+
+        async def loads(_req):
+            return web.json_response({"detail": "Not Found"}, status=404)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/loads", loads)
+        return app
+
+    (r1, fast), (r2, slow) = await start_app(app_for("fast")), await start_app(app_for("slow"))
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, own_headers=lambda url: {},
+                                     registry=SimpleNamespace(urls=lambda: [fast, slow]))
+            el = EngineLoads(5.0)
+            for _ in range(3):
+                await el.poll(router, wait=False)
+                for _ in range(100):  # until the fast worker's answer is in
+                    await asyncio.sleep(0.01)
+                    if fast not in el._asking:
+                        break
+            assert asked == {"fast": 3, "slow": 1} and el.tokens(fast, None) == 12000
+            assert slow in el._asking and el.tokens(slow, None) is None
+            release.set()
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if not el._tasks:
+                    break
+            assert el.tokens(slow, None) == 12000 and not el._asking
+    finally:
+        release.set()
+        await r1.cleanup()
+        await r2.cleanup()
+
+
+async def test_a_worker_removed_while_its_poll_is_out_keeps_no_figure(start_app):
+    import asyncio
+
+    import aiohttp
+
+    urls = []
+    gate = asyncio.Event()
+
+    async def metrics(_req):
+        await gate.wait()
+        return web.Response(text=VLLM_METRICS, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, url = await start_app(app)
+    urls.append(url)
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, own_headers=lambda url: {},
+                                     registry=SimpleNamespace(urls=lambda: list(urls)))
+            el = EngineLoads(5.0)
+            await el.poll(router, wait=False)
+            await asyncio.sleep(0.05)
+            urls.clear()  # removed from the router while the answer is on its way
+            gate.set()
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if not el._tasks:
+                    break
+            assert url not in el.snapshots and url not in el.pools and url not in el.running_only
+    finally:
+        gate.set()
+        await runner.cleanup()
+
+
+def test_removing_a_worker_drops_its_engine_figures_at_once():
+    pol = kv()
+    el = pol.engine_loads = EngineLoads(1.0)
+    el.put(A, {0: 5000}, running_only=True)
+    el.pools[A] = {0: 16000}
+    pol.on_worker_removed(A)
+    assert A not in el.snapshots and A not in el.pools and A not in el.running_only
+
+
+def test_the_engine_load_gauge_of_a_one_rank_worker_takes_off_ended_requests_without_dp_aware():
+    """A trial saw 860 on /metrics where the cost used 60: without --dp-aware an ended request is kept
+    for the whole worker (rank None), and the gauge asked for rank 0 only."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_kv_aware_queue_metric import scrape
+
+    pol = kv()
+    for url in (A, B):
+        pol.subs[url] = {0: SimpleNamespace(state="exact", events=0, batches=0, malformed=0, gaps=0, replays=0,
+                                            replay_failures=0)}
+    el = pol.engine_loads = EngineLoads(5.0)
+    key = RouteKey("", list(range(5000, 5800)), 60)
+    assert pol.select([Worker(A), Worker(B)], key).url == A
+    pol.prefilled(key)
+    el.put(A, {0: 860}, time.monotonic(), running_only=True)
+    assert scrape(pol, "fleetserve_router_kv_engine_load_tokens") == {(A, "0"): 860.0}
+    pol.release(key)
+    assert scrape(pol, "fleetserve_router_kv_engine_load_tokens") == {(A, "0"): 60.0}

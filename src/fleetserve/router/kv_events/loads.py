@@ -207,6 +207,17 @@ def vllm_figures(text: str) -> tuple[dict[int, int], dict[int, int], dict[int, i
     return tokens, {r: n for r, n in waiting.items() if r in tokens}, {r: pools[r] for r in tokens}
 
 
+async def _read_capped(stream, cap: int) -> bytes | None:
+    """The whole body of an aiohttp ``stream``, or None once it is over ``cap`` bytes (the rest unread)."""
+    chunks, size = [], 0
+    async for chunk in stream.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class EngineLoads:
     """Worker url -> snapshot ``(arrived, {dp_rank: tokens}, asked, taken)`` (monotonic seconds; ``taken``:
     when the engine took the figures, from its ``timestamp``, else ``arrived``); polled by :meth:`run`."""
@@ -231,6 +242,9 @@ class EngineLoads:
         self._figures: dict[str, dict[int | None, tuple[int | None, int | None]]] = {}
         self._via_metrics: set[str] = set()  # the workers asked GET /metrics, not /v1/loads (vLLM)
         self._oversize: set[str] = set()  # the workers whose /metrics was too large to read (warned once)
+        self._unread: set[str] = set()  # the workers without any figures (said once, until they have some)
+        self._asking: set[str] = set()  # the workers whose poll is out
+        self._tasks: set = set()  # the polls under way (kept referenced until done)
         self.polls = 0
         self.failures = 0
 
@@ -381,15 +395,32 @@ class EngineLoads:
         self.running_only.discard(url)
         self._via_metrics.discard(url)
         self._oversize.discard(url)
+        self._unread.discard(url)
 
-    async def poll(self, router) -> None:
-        """Ask every registered worker once, concurrently; drop removed workers' snapshots."""
+    async def poll(self, router, wait: bool = True) -> None:
+        """Ask every registered worker once, concurrently; drop removed workers' snapshots.
+
+        A worker whose previous poll is still out is not asked again.  ``wait=False`` (:meth:`run`): the
+        polls go on in the background, so that a slow worker (its timeout is ``max(interval, 0.5 s)``)
+        does not hold back the next round of the others, whose figures would then go stale."""
         urls = router.registry.urls()
         for u in [u for u in self.snapshots if u not in urls]:
             self.forget(u)
         now = time.monotonic()
-        ask = [u for u in urls if now - self._missing.get(u, -1e9) >= RETRY_MISSING_S]
-        await asyncio.gather(*(self._ask(router, u) for u in ask))
+        ask = [u for u in urls if now - self._missing.get(u, -1e9) >= RETRY_MISSING_S and u not in self._asking]
+        tasks = [asyncio.ensure_future(self._ask_once(router, u)) for u in ask]
+        self._tasks.update(tasks)
+        for t in tasks:
+            t.add_done_callback(self._tasks.discard)
+        if wait and tasks:
+            await asyncio.gather(*tasks)
+
+    async def _ask_once(self, router, url: str) -> None:
+        self._asking.add(url)
+        try:
+            await self._ask(router, url)
+        finally:
+            self._asking.discard(url)
 
     async def _ask(self, router, url: str) -> None:
         """One poll of ``url``: ``/v1/loads``, or vLLM's ``/metrics`` where it has no ``/v1/loads``."""
@@ -418,15 +449,21 @@ class EngineLoads:
                 async with router.session.get(url + "/metrics", headers=router.own_headers(url),
                                               timeout=timeout) as r:
                     got = None
-                    if r.status == 200:
-                        page = await r.content.read(METRICS_MAX_BYTES + 1)
-                        if len(page) <= METRICS_MAX_BYTES:
-                            got = vllm_figures(page.decode("utf-8", "replace"))
-                        elif url not in self._oversize:  # not read further: a page this large is no vLLM server's
+                    page = await _read_capped(r.content, METRICS_MAX_BYTES) if r.status == 200 else b""
+                    if page is None:  # not read further: a page this large is no vLLM server's
+                        if url not in self._oversize:
                             self._oversize.add(url)
                             log.warning("kv loads: %s/metrics is over %d bytes; not read for loads", url,
                                         METRICS_MAX_BYTES)
+                    elif page:  # parsed off the event loop: a page near the line cap takes ~0.1 s
+                        got = await asyncio.to_thread(vllm_figures, page.decode("utf-8", "replace"))
+                    if got is None and url not in self._unread:
+                        self._unread.add(url)
+                        log.info("kv loads: %s answers neither /v1/loads figures nor vLLM's gauges on /metrics "
+                                 "(/metrics: HTTP %d); its load is this router's count alone (asked again every "
+                                 "%g s)", url, r.status, RETRY_MISSING_S)
                 if got is not None:
+                    self._unread.discard(url)
                     per, waiting_reqs, self.pools[url] = got
                     if not running_only:
                         log.info("kv loads: %s has no /v1/loads; its load is read from vLLM's gauges on "
@@ -436,14 +473,18 @@ class EngineLoads:
                 else:
                     self._via_metrics.discard(url)
         except Exception as e:  # unreachable or slow: no figure now; the router-side count is in charge
-            log.debug("kv loads: %s: %s", url, e)
+            log.debug("kv loads: %s: %s", url, type(e).__name__ if not str(e) else e)
             self._drop(url)
             return  # asked again at the next interval
+        if url not in router.registry.urls():  # removed while the poll was out: keep nothing of it
+            self.forget(url)
+            return
         if per is None:  # the worker has neither (404, not JSON, no figures): ask again much later
             self._drop(url)
             self._missing[url] = time.monotonic()
             return
         self._missing.pop(url, None)
+        self._unread.discard(url)
         now = time.monotonic()
         taken = None if stamp is None else now - max(0.0, time.time() - stamp)
         self.put(url, per, now, asked=asked, taken=taken, waiting=waiting, waiting_reqs=waiting_reqs,
@@ -463,7 +504,7 @@ class EngineLoads:
     async def run(self, router) -> None:
         while True:
             try:
-                await self.poll(router)
+                await self.poll(router, wait=False)
             except Exception:  # pragma: no cover - keep polling whatever a worker answers
                 log.exception("kv loads poll failed")
             await asyncio.sleep(self.interval_s)

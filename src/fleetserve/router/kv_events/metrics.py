@@ -17,7 +17,8 @@
 * ``engine_load_tokens{worker,dp_rank}``: the engines' fresh ``/v1/loads`` ``num_total_tokens``
   (for a vLLM worker, the running requests' KV from its ``/metrics`` gauges: :func:`.loads.vllm_figures`)
   less the prompts of this router's requests that ended since the snapshot, as the engine counts:
-  the cached prefixes of this router's requests included.
+  the cached prefixes of this router's requests included.  Without ``--dp-aware`` the ended prompts are
+  known per worker, not per rank: a worker of several ranks shows each rank's figure as reported.
 * ``cost_load_tokens{worker,dp_rank}``: the load term the cost uses per target (``dp_rank`` ``-``
   for a whole worker): the larger of ``load_tokens`` and the engine's figure in the router's
   units (without those cached prefixes, each shared page once: :meth:`.policy.KvAwarePolicy.load_term`).
@@ -115,8 +116,10 @@ def families(policy):
                                 "from its /metrics",
                                 labels=["worker", "dp_rank"])
         for url in list(el.snapshots):
-            for rank in sorted(el.snapshots[url][1]):
-                n = el.tokens(url, rank)
+            ranks = sorted(el.snapshots[url][1])
+            for rank in ranks:
+                # one rank: less every ended request (without --dp-aware they are kept for the whole worker)
+                n = el.tokens(url, None if len(ranks) == 1 else rank)
                 if n is not None:
                     eng.add_metric([url, str(rank)], n)
         yield eng

@@ -995,6 +995,8 @@ class KvAwarePolicy:
         self.index.drop_cached(url)
 
     def on_worker_removed(self, url: str) -> None:
+        if self._engine_loads is not None:  # its figures go at once, not at the next poll
+            self._engine_loads.forget(url)
         prefix = url + "#"
         for tenant in [t for t in self.tree.tenant_sizes() if t == url or t.startswith(prefix)]:
             self.tree.remove_tenant(tenant)
