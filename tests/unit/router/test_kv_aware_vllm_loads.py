@@ -377,3 +377,73 @@ def test_the_engine_load_gauge_of_a_one_rank_worker_takes_off_ended_requests_wit
     assert scrape(pol, "fleetserve_router_kv_engine_load_tokens") == {(A, "0"): 860.0}
     pol.release(key)
     assert scrape(pol, "fleetserve_router_kv_engine_load_tokens") == {(A, "0"): 60.0}
+
+
+def test_a_vllm_servers_dp_ranks_come_from_its_engine_labels_for_dp_aware():
+    """vLLM reports no dp_size: a trial saw every --dp-aware request pinned to rank 0 of a 2-engine vLLM
+    server whose rank 0 was 90% full.  The engine labels of its /metrics now give the ranks."""
+    pol = KvAwarePolicy(speculative_ttl_s=0, dp_aware=True)
+    el = pol.engine_loads = EngineLoads(5.0)
+    assert pol.ranks(A) == (0,) and not pol.ranks_known(A)
+    el.put(A, {0: 14400, 1: 0}, running_only=True)
+    el.engine_ranks[A] = (0, 1)  # as _ask sets it from the page
+    assert pol.ranks(A) == (0, 1) and pol.ranks_known(A)
+    key = RouteKey("", list(range(3000, 3100)), 16)
+    assert pol.select([Worker(A)], key).url == A and key.rank == 1
+    assert b"X-data-parallel-rank: 1" in pol.decorate(key, b'{"prompt": "x"}', b"")[1]
+    pol.dp_ranks[A] = (0, 1, 2)  # /get_server_info's dp_size, when a worker gives one, wins
+    assert pol.ranks(A) == (0, 1, 2)
+
+
+async def test_the_page_sets_engine_ranks_only_for_ranks_0_to_n(start_app):
+    import aiohttp
+
+    pages = iter([VLLM_METRICS, VLLM_METRICS.replace('engine="0"', 'engine="4"')])
+
+    async def metrics(_req):
+        return web.Response(text=next(pages), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, url = await start_app(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, own_headers=lambda url: {},
+                                     registry=SimpleNamespace(urls=lambda: [url]))
+            el = EngineLoads(5.0)
+            await el.poll(router)
+            assert el.engine_ranks[url] == (0, 1)
+            el.engine_ranks.clear()
+            await el.poll(router)  # ranks 1 and 4: not taken as the server's DP ranks
+            assert url not in el.engine_ranks and el.tokens(url, None) == 12000
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_kv_events_endpoint_worker_is_subscribed_per_rank_once_its_metrics_name_the_ranks(start_app):
+    """--kv-events-endpoint for a vLLM server (no /get_server_info): rank 0 alone at first; once its
+    /metrics names engines 0 and 1, ranks 0 and 1 at the endpoint's port and port + 1 (vLLM's offset)."""
+    import aiohttp
+
+    from fleetserve.router.kv_events.sources import KvEventSources
+
+    runner, url = await start_app(web.Application())  # 404 on /get_server_info, as vLLM
+    pol = KvAwarePolicy(speculative_ttl_s=0, dp_aware=True)
+    el = pol.engine_loads = EngineLoads(5.0)
+    sources = KvEventSources(pol, {url: "tcp://127.0.0.1:45600"})
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, own_headers=lambda url: {},
+                                     registry=SimpleNamespace(urls=lambda: [url]))
+            await sources.sync(router)
+            assert sorted(pol.subs[url]) == [0]
+            el.engine_ranks[url] = (0, 1)
+            await sources.sync(router)
+            subs = pol.subs[url]
+            assert sorted(subs) == [0, 1]
+            assert [subs[r].endpoint for r in (0, 1)] == ["tcp://127.0.0.1:45600", "tcp://127.0.0.1:45601"]
+            await sources.sync(router)  # nothing more to learn: the same subscriptions
+            assert pol.subs[url] is subs
+    finally:
+        sources.close()
+        await runner.cleanup()

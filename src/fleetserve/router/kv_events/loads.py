@@ -241,6 +241,9 @@ class EngineLoads:
         # the url's snapshot or of what this router saw end or prefill since (the policy asks per request)
         self._figures: dict[str, dict[int | None, tuple[int | None, int | None]]] = {}
         self._via_metrics: set[str] = set()  # the workers asked GET /metrics, not /v1/loads (vLLM)
+        # url -> the DP ranks its vLLM /metrics names (engine labels 0..n-1): a vLLM server reports no dp_size
+        # anywhere else (the policy's ranks for --dp-aware, the sources' ranks of a --kv-events-endpoint)
+        self.engine_ranks: dict[str, tuple[int, ...]] = {}
         self._oversize: set[str] = set()  # the workers whose /metrics was too large to read (warned once)
         self._unread: set[str] = set()  # the workers without any figures (said once, until they have some)
         self._asking: set[str] = set()  # the workers whose poll is out
@@ -396,6 +399,7 @@ class EngineLoads:
         self._via_metrics.discard(url)
         self._oversize.discard(url)
         self._unread.discard(url)
+        self.engine_ranks.pop(url, None)
 
     async def poll(self, router, wait: bool = True) -> None:
         """Ask every registered worker once, concurrently; drop removed workers' snapshots.
@@ -465,6 +469,9 @@ class EngineLoads:
                 if got is not None:
                     self._unread.discard(url)
                     per, waiting_reqs, self.pools[url] = got
+                    ranks = tuple(sorted(per))
+                    if ranks == tuple(range(len(ranks))):  # DP ranks 0..n-1 (else not taken as its ranks)
+                        self.engine_ranks[url] = ranks
                     if not running_only:
                         log.info("kv loads: %s has no /v1/loads; its load is read from vLLM's gauges on "
                                  "/metrics (running requests' KV only)", url)

@@ -536,14 +536,21 @@ class KvAwarePolicy:
 
     def ranks(self, url: str) -> list[int] | tuple[int, ...]:
         """The worker's DP ranks: those of its KV-event streams, else ``range(dp_size)`` from its
-        ``/get_server_info`` (:attr:`dp_ranks`), else rank 0 alone."""
+        ``/get_server_info`` (:attr:`dp_ranks`), else those its vLLM ``/metrics`` names (``engine``
+        labels, :attr:`.loads.EngineLoads.engine_ranks`), else rank 0 alone."""
         subs = self.subs.get(url)
-        return sorted(subs) if subs else self.dp_ranks.get(url, _RANK_0)
+        if subs:
+            return sorted(subs)
+        ranks = self.dp_ranks.get(url)
+        if ranks is None and self._engine_loads is not None:
+            ranks = self._engine_loads.engine_ranks.get(url)
+        return ranks or _RANK_0
 
     def ranks_known(self, url: str) -> bool:
-        """Whether :meth:`ranks` of ``url`` comes from the worker (its KV-event streams or its
-        ``/get_server_info`` dp_size) rather than the rank-0 default."""
-        return bool(self.subs.get(url)) or url in self.dp_ranks
+        """Whether :meth:`ranks` of ``url`` comes from the worker (its KV-event streams, its
+        ``/get_server_info`` dp_size or its vLLM gauges) rather than the rank-0 default."""
+        return (bool(self.subs.get(url)) or url in self.dp_ranks
+                or (self._engine_loads is not None and url in self._engine_loads.engine_ranks))
 
     def trust(self, url: str, rank: int) -> str:
         """The trust the policy gives the target: the stream's, or ``fallback`` for a worker whose

@@ -171,6 +171,9 @@ class KvEventSources:
         self._why: dict[str, str] = {}  # url -> why its last /get_server_info gave nothing (e.g. "answered 401")
         self._connects: dict[str, str] = {}  # url -> its publisher endpoint, when that connects (connecting_endpoint)
         self._unpublished: dict[str, str] = {}  # url -> why its /get_server_info names no stream (unpublished_reason)
+        # url -> ranks subscribed from --kv-events-endpoint for a worker that reported no dp_size (vLLM): when its
+        # /metrics later names more DP ranks (EngineLoads.engine_ranks), it is subscribed again with those
+        self._guessed: dict[str, int] = {}
 
     async def run(self, router) -> None:
         """Sync every :data:`SYNC_INTERVAL_S` until cancelled; then end every subscription."""
@@ -191,6 +194,14 @@ class KvEventSources:
             self.unsubscribe(url)
         for url in [u for u in policy.dp_ranks if u not in urls]:
             del policy.dp_ranks[url]
+        loads = policy.engine_loads
+        for url, n in list(self._guessed.items()):  # a vLLM server's ranks, learned from its /metrics since
+            learned = loads.engine_ranks.get(url) if loads is not None else None
+            if url in policy.subs and learned and len(learned) > n:
+                log.info("kv-events: %s names %d DP ranks on its /metrics (engine labels): subscribing to each",
+                         url, len(learned))
+                self.unsubscribe(url)
+                self._asked.pop(url, None)
         self._told &= urls  # a removed worker added again is told about again
         for url in urls - set(policy.subs):
             if time.monotonic() - self._asked.get(url, -1e9) < REDISCOVER_S:
@@ -274,6 +285,11 @@ class KvEventSources:
         if connects is not None:
             self._connects[url] = connects
         if ep is not None:
+            if _reported_dp(info) is None:  # vLLM: its ranks from the engine labels of its /metrics, once known
+                loads = self.policy.engine_loads
+                learned = loads.engine_ranks.get(url) if loads is not None else None
+                dp = len(learned) if learned else 1
+                self._guessed[url] = dp
             return [(r, rank_endpoint(ep, url, r), None, "") for r in range(dp)]
         eps = endpoints_from_info(info, url)
         if eps is None:
@@ -289,6 +305,7 @@ class KvEventSources:
         self.policy.index.drop_worker(url)
         self._asked.pop(url, None)
         self._told.discard(url)
+        self._guessed.pop(url, None)
         if subs:
             log.info("kv-events: %s unsubscribed", url)
 
