@@ -396,9 +396,16 @@ def test_a_vllm_servers_dp_ranks_come_from_its_engine_labels_for_dp_aware():
 
 
 async def test_the_page_sets_engine_ranks_only_for_ranks_0_to_n(start_app):
+    """Ranks 0..n-1 are taken; a later page naming ranks 1 and 4 drops them (a trial saw the old ranks
+    kept); more ranks than a dp_size may name (MAX_DP_SIZE) are not taken (a trial saw 1000 engine labels
+    open 1000 sockets, after which no other worker could be subscribed)."""
     import aiohttp
 
-    pages = iter([VLLM_METRICS, VLLM_METRICS.replace('engine="0"', 'engine="4"')])
+    from fleetserve.router.kv_events.sources import MAX_DP_SIZE
+
+    many = "".join('vllm:kv_cache_usage_perc{engine="%d"} 0.0\n' % e + info(str(e)) + "\n"
+                   for e in range(MAX_DP_SIZE + 1))
+    pages = iter([VLLM_METRICS, VLLM_METRICS.replace('engine="0"', 'engine="4"'), VLLM_METRICS, many])
 
     async def metrics(_req):
         return web.Response(text=next(pages), content_type="text/plain")
@@ -413,9 +420,12 @@ async def test_the_page_sets_engine_ranks_only_for_ranks_0_to_n(start_app):
             el = EngineLoads(5.0)
             await el.poll(router)
             assert el.engine_ranks[url] == (0, 1)
-            el.engine_ranks.clear()
-            await el.poll(router)  # ranks 1 and 4: not taken as the server's DP ranks
+            await el.poll(router)  # ranks 1 and 4: not taken as the server's DP ranks, and the old ones go
             assert url not in el.engine_ranks and el.tokens(url, None) == 12000
+            await el.poll(router)
+            assert el.engine_ranks[url] == (0, 1)
+            await el.poll(router)  # 257 engines: figures, but no ranks
+            assert url not in el.engine_ranks and len(el.snapshots[url][1]) == MAX_DP_SIZE + 1
     finally:
         await runner.cleanup()
 
@@ -444,6 +454,12 @@ async def test_a_kv_events_endpoint_worker_is_subscribed_per_rank_once_its_metri
             assert [subs[r].endpoint for r in (0, 1)] == ["tcp://127.0.0.1:45600", "tcp://127.0.0.1:45601"]
             await sources.sync(router)  # nothing more to learn: the same subscriptions
             assert pol.subs[url] is subs
+            el.engine_ranks[url] = (0, 1, 2, 3)
+            await sources.sync(router)
+            assert sorted(pol.subs[url]) == [0, 1, 2, 3]
+            el.engine_ranks[url] = (0, 1)  # fewer engines now: ranks 2 and 3 are not kept
+            await sources.sync(router)
+            assert sorted(pol.subs[url]) == [0, 1] and pol.ranks(url) == [0, 1]
     finally:
         sources.close()
         await runner.cleanup()

@@ -60,12 +60,14 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .sources import MAX_DP_SIZE
+
 log = logging.getLogger("fleetserve.router")
 
 STALE_INTERVALS = 3  # a snapshot older than this many intervals is not used
 RETRY_MISSING_S = 10.0
 METRICS_MAX_BYTES = 8 << 20  # a /metrics page larger than this is not read for vLLM's gauges
-MAX_GAUGE_LINES = 4096  # more lines of those gauges than this (256 DP ranks x 4 is 1024): not read
+MAX_GAUGE_LINES = 5 * MAX_DP_SIZE  # more lines of those gauges than this (4 per DP rank, and slack): not read
 # the gauges of vLLM's /metrics that vllm_figures reads (all other lines are skipped unparsed: the page has
 # hundreds of histogram lines); the deprecated gpu_cache_usage_perc is vLLM's name before 0.9
 _VLLM_GAUGES = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
@@ -470,8 +472,12 @@ class EngineLoads:
                     self._unread.discard(url)
                     per, waiting_reqs, self.pools[url] = got
                     ranks = tuple(sorted(per))
-                    if ranks == tuple(range(len(ranks))):  # DP ranks 0..n-1 (else not taken as its ranks)
+                    # DP ranks 0..n-1, at most as many as a dp_size may name (one socket and thread each); else
+                    # not its ranks, and ranks learned before go (a failed poll keeps them: ranks do not change)
+                    if ranks == tuple(range(len(ranks))) and len(ranks) <= MAX_DP_SIZE:
                         self.engine_ranks[url] = ranks
+                    else:
+                        self.engine_ranks.pop(url, None)
                     if not running_only:
                         log.info("kv loads: %s has no /v1/loads; its load is read from vLLM's gauges on "
                                  "/metrics (running requests' KV only)", url)

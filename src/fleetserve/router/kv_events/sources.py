@@ -197,9 +197,9 @@ class KvEventSources:
         loads = policy.engine_loads
         for url, n in list(self._guessed.items()):  # a vLLM server's ranks, learned from its /metrics since
             learned = loads.engine_ranks.get(url) if loads is not None else None
-            if url in policy.subs and learned and len(learned) > n:
-                log.info("kv-events: %s names %d DP ranks on its /metrics (engine labels): subscribing to each",
-                         url, len(learned))
+            if url in policy.subs and learned and len(learned) != n:  # more engines, or fewer
+                log.info("kv-events: %s names %d DP ranks on its /metrics (engine labels), not %d: subscribing "
+                         "to each", url, len(learned), n)
                 self.unsubscribe(url)
                 self._asked.pop(url, None)
         self._told &= urls  # a removed worker added again is told about again
