@@ -463,3 +463,37 @@ async def test_a_kv_events_endpoint_worker_is_subscribed_per_rank_once_its_metri
     finally:
         sources.close()
         await runner.cleanup()
+
+
+async def test_stopping_the_poll_loop_cancels_the_polls_still_out(start_app):
+    import asyncio
+
+    import aiohttp
+
+    gate = asyncio.Event()
+
+    async def metrics(_req):
+        await gate.wait()
+        return web.Response(text=VLLM_METRICS, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, url = await start_app(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = SimpleNamespace(session=session, own_headers=lambda url: {},
+                                     registry=SimpleNamespace(urls=lambda: [url]))
+            el = EngineLoads(5.0)
+            loop_task = asyncio.ensure_future(el.run(router))
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if url in el._asking:
+                    break
+            assert url in el._asking
+            loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
+            await asyncio.sleep(0.01)
+            assert not el._tasks and not el._asking
+    finally:
+        gate.set()
+        await runner.cleanup()

@@ -515,9 +515,14 @@ class EngineLoads:
         self.running_only.discard(url)
 
     async def run(self, router) -> None:
-        while True:
-            try:
-                await self.poll(router, wait=False)
-            except Exception:  # pragma: no cover - keep polling whatever a worker answers
-                log.exception("kv loads poll failed")
-            await asyncio.sleep(self.interval_s)
+        """Poll every ``interval_s`` until cancelled; then cancel the polls still out."""
+        try:
+            while True:
+                try:
+                    await self.poll(router, wait=False)
+                except Exception:  # pragma: no cover - keep polling whatever a worker answers
+                    log.exception("kv loads poll failed")
+                await asyncio.sleep(self.interval_s)
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
