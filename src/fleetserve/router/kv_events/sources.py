@@ -172,7 +172,7 @@ class KvEventSources:
         self._connects: dict[str, str] = {}  # url -> its publisher endpoint, when that connects (connecting_endpoint)
         self._unpublished: dict[str, str] = {}  # url -> why its /get_server_info names no stream (unpublished_reason)
         # url -> ranks subscribed from --kv-events-endpoint for a worker that reported no dp_size (vLLM): when its
-        # /metrics later names more DP ranks (EngineLoads.engine_ranks), it is subscribed again with those
+        # /metrics later names another number of DP ranks (EngineLoads.engine_ranks), it is subscribed again at those
         self._guessed: dict[str, int] = {}
 
     async def run(self, router) -> None:
