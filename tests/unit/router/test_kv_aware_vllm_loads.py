@@ -1,6 +1,7 @@
 """kv_aware's engine loads from a vLLM worker: no ``/v1/loads``, so the router reads vLLM's scheduler
 gauges on ``GET /metrics`` (loads.vllm_figures) and counts them as the running requests' KV alone."""
 
+import contextlib
 import math
 import time
 from types import SimpleNamespace
@@ -14,6 +15,55 @@ from fleetserve.router.workers import Worker
 
 A, B = "http://a:1", "http://b:1"
 P = list(range(1000, 1400))  # 100 blocks of 4 cached on A
+
+
+@contextlib.asynccontextmanager
+async def polled(start_app, *route_sets, urls: list | None = None):
+    """Workers answering ``{path: handler}`` each (GET), and a router stub whose registry lists them:
+    yields ``(worker urls, router)``.  ``urls``: a list the registry reads (a test may empty it)."""
+    import aiohttp
+
+    runners, found = [], []
+    try:
+        for routes in route_sets:
+            app = web.Application()
+            for path, handler in routes.items():
+                app.router.add_get(path, handler)
+            runner, url = await start_app(app)
+            runners.append(runner)
+            found.append(url)
+        listed = found if urls is None else urls
+        if urls is not None:
+            urls.extend(found)
+        async with aiohttp.ClientSession() as session:
+            yield found, SimpleNamespace(session=session, own_headers=lambda url: {},
+                                         registry=SimpleNamespace(urls=lambda: list(listed)))
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def serve(text: str, gate=None):
+    """A ``/metrics`` handler answering ``text`` (after ``gate`` is set, when given)."""
+    async def metrics(_req):
+        if gate is not None:
+            await gate.wait()
+        return web.Response(text=text, content_type="text/plain")
+    return metrics
+
+
+async def not_found(_req):
+    return web.json_response({"detail": "Not Found"}, status=404)
+
+
+async def until(cond, tries: int = 100) -> None:
+    """Let the loop run in 10 ms steps until, after a step, ``cond()`` holds, or ``tries`` steps have passed."""
+    import asyncio
+
+    for _ in range(tries):
+        await asyncio.sleep(0.01)
+        if cond():
+            return
 
 
 def info(engine: str, blocks: str = "1001", size: str = "16") -> str:
@@ -105,43 +155,32 @@ def test_vllm_figures_of_an_unparsable_line_is_none_not_an_exception():
 async def test_a_worker_without_v1_loads_is_polled_at_its_vllm_metrics(start_app):
     """The first poll finds no /v1/loads and reads /metrics in the same poll; later polls ask /metrics
     only.  When /metrics stops having the gauges, the worker counts as having neither."""
-    import aiohttp
-
     hits = {"loads": 0, "metrics": 0}
     page = {"text": VLLM_METRICS}
 
-    async def loads(_req):
+    async def loads(req):
         hits["loads"] += 1
-        return web.json_response({"detail": "Not Found"}, status=404)
+        return await not_found(req)
 
     async def metrics(_req):
         hits["metrics"] += 1
         return web.Response(text=page["text"], content_type="text/plain")
 
-    app = web.Application()
-    app.router.add_get("/v1/loads", loads)
-    app.router.add_get("/metrics", metrics)
-    runner, url = await start_app(app)
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, own_headers=lambda url: {},
-                                     registry=SimpleNamespace(urls=lambda: [url]))
-            el = EngineLoads(0.5)
-            await el.poll(router)
-            assert hits == {"loads": 1, "metrics": 1}
-            assert el.tokens(url, None) == 12000 and el.tokens(url, 1) == 8000
-            assert el.queued(url, None) is None  # vLLM reports no waiting tokens
-            assert el.waiting_reqs[url] == {0: 3, 1: 0} and el.capacity(url, None) == 32000
-            assert url in el.running_only and (el.polls, el.failures) == (1, 0)
-            await el.poll(router)
-            assert hits == {"loads": 1, "metrics": 2}
-            page["text"] = "# nothing here\n"
-            await el.poll(router)
-            assert url not in el.snapshots and url not in el.running_only and el.failures == 1
-            await el.poll(router)  # asked again only after RETRY_MISSING_S
-            assert hits == {"loads": 1, "metrics": 3} and el.polls == 3
-    finally:
-        await runner.cleanup()
+    async with polled(start_app, {"/v1/loads": loads, "/metrics": metrics}) as ([url], router):
+        el = EngineLoads(0.5)
+        await el.poll(router)
+        assert hits == {"loads": 1, "metrics": 1}
+        assert el.tokens(url, None) == 12000 and el.tokens(url, 1) == 8000
+        assert el.queued(url, None) is None  # vLLM reports no waiting tokens
+        assert el.waiting_reqs[url] == {0: 3, 1: 0} and el.capacity(url, None) == 32000
+        assert url in el.running_only and (el.polls, el.failures) == (1, 0)
+        await el.poll(router)
+        assert hits == {"loads": 1, "metrics": 2}
+        page["text"] = "# nothing here\n"
+        await el.poll(router)
+        assert url not in el.snapshots and url not in el.running_only and el.failures == 1
+        await el.poll(router)  # asked again only after RETRY_MISSING_S
+        assert hits == {"loads": 1, "metrics": 3} and el.polls == 3
 
 
 def kv():
@@ -185,35 +224,21 @@ def test_a_page_with_more_gauge_lines_than_any_vllm_server_has_is_not_parsed():
 
 
 async def test_a_metrics_page_over_the_size_cap_is_not_read_and_warned_once(start_app, monkeypatch, caplog):
-    import aiohttp
-
     from fleetserve.router.kv_events import loads
 
     monkeypatch.setattr(loads, "METRICS_MAX_BYTES", len(VLLM_METRICS) - 1)
-
-    async def metrics(_req):
-        return web.Response(text=VLLM_METRICS, content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner, url = await start_app(app)
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, own_headers=lambda url: {},
-                                     registry=SimpleNamespace(urls=lambda: [url]))
-            el = EngineLoads(0.5)
-            with caplog.at_level("WARNING", logger="fleetserve.router"):
-                await el.poll(router)
-                el._missing.clear()  # ask again at once
-                await el.poll(router)
-            assert url not in el.snapshots and el.failures == 2
-            assert sum("is over" in r.getMessage() for r in caplog.records) == 1
-            monkeypatch.setattr(loads, "METRICS_MAX_BYTES", len(VLLM_METRICS))
-            el._missing.clear()
-            await el.poll(router)  # exactly at the cap: read
-            assert el.tokens(url, None) == 12000
-    finally:
-        await runner.cleanup()
+    async with polled(start_app, {"/metrics": serve(VLLM_METRICS)}) as ([url], router):
+        el = EngineLoads(0.5)
+        with caplog.at_level("WARNING", logger="fleetserve.router"):
+            await el.poll(router)
+            el._missing.clear()  # ask again at once
+            await el.poll(router)
+        assert url not in el.snapshots and el.failures == 2
+        assert sum("is over" in r.getMessage() for r in caplog.records) == 1
+        monkeypatch.setattr(loads, "METRICS_MAX_BYTES", len(VLLM_METRICS))
+        el._missing.clear()
+        await el.poll(router)  # exactly at the cap: read
+        assert el.tokens(url, None) == 12000
 
 
 def big_vllm_page(engines: int = 8) -> str:
@@ -233,8 +258,6 @@ async def test_a_page_sent_in_small_pieces_with_the_cache_config_last_is_read_wh
     a vLLM page of 300+ KB, cache_config_info at its end, gave no figure."""
     import asyncio
 
-    import aiohttp
-
     page = big_vllm_page().encode()
     assert len(page) > 300_000
 
@@ -247,18 +270,10 @@ async def test_a_page_sent_in_small_pieces_with_the_cache_config_last_is_read_wh
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner, url = await start_app(app)
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, own_headers=lambda url: {},
-                                     registry=SimpleNamespace(urls=lambda: [url]))
-            el = EngineLoads(2.0)
-            await el.poll(router)
-            assert el.tokens(url, None) == 8 * 4000 and el.waiting_reqs[url] == {e: 1 for e in range(8)}
-    finally:
-        await runner.cleanup()
+    async with polled(start_app, {"/metrics": metrics}) as ([url], router):
+        el = EngineLoads(2.0)
+        await el.poll(router)
+        assert el.tokens(url, None) == 8 * 4000 and el.waiting_reqs[url] == {e: 1 for e in range(8)}
 
 
 async def test_a_slow_worker_does_not_hold_back_the_others_polls_nor_is_asked_twice(start_app):
@@ -266,85 +281,48 @@ async def test_a_slow_worker_does_not_hold_back_the_others_polls_nor_is_asked_tw
     one whose /metrics takes long is not asked again while out, and the others keep fresh figures."""
     import asyncio
 
-    import aiohttp
-
     asked = {"fast": 0, "slow": 0}
     release = asyncio.Event()
 
-    def app_for(name):
-        async def metrics(_req):
+    def counted(name, handler):
+        async def metrics(req):
             asked[name] += 1
-            if name == "slow":
-                await release.wait()
-            return web.Response(text=VLLM_METRICS, content_type="text/plain")
+            return await handler(req)
+        return metrics
 
-        async def loads(_req):
-            return web.json_response({"detail": "Not Found"}, status=404)
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/v1/loads", loads)
-        return app
-
-    (r1, fast), (r2, slow) = await start_app(app_for("fast")), await start_app(app_for("slow"))
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, own_headers=lambda url: {},
-                                     registry=SimpleNamespace(urls=lambda: [fast, slow]))
+    fast_routes = {"/metrics": counted("fast", serve(VLLM_METRICS)), "/v1/loads": not_found}
+    slow_routes = {"/metrics": counted("slow", serve(VLLM_METRICS, release)), "/v1/loads": not_found}
+    async with polled(start_app, fast_routes, slow_routes) as ([fast, slow], router):
+        try:
             el = EngineLoads(5.0)
             for _ in range(3):
                 await el.poll(router, wait=False)
-                for _ in range(100):  # until the fast worker's answer is in
-                    await asyncio.sleep(0.01)
-                    if fast not in el._asking:
-                        break
+                await until(lambda: fast not in el._asking)  # the fast worker's answer is in
             assert asked == {"fast": 3, "slow": 1} and el.tokens(fast, None) == 12000
             assert slow in el._asking and el.tokens(slow, None) is None
             release.set()
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if not el._tasks:
-                    break
+            await until(lambda: not el._tasks)
             assert el.tokens(slow, None) == 12000 and not el._asking
-    finally:
-        release.set()
-        await r1.cleanup()
-        await r2.cleanup()
+        finally:
+            release.set()
 
 
 async def test_a_worker_removed_while_its_poll_is_out_keeps_no_figure(start_app):
     import asyncio
 
-    import aiohttp
-
     urls = []
     gate = asyncio.Event()
-
-    async def metrics(_req):
-        await gate.wait()
-        return web.Response(text=VLLM_METRICS, content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner, url = await start_app(app)
-    urls.append(url)
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, own_headers=lambda url: {},
-                                     registry=SimpleNamespace(urls=lambda: list(urls)))
+    async with polled(start_app, {"/metrics": serve(VLLM_METRICS, gate)}, urls=urls) as ([url], router):
+        try:
             el = EngineLoads(5.0)
             await el.poll(router, wait=False)
             await asyncio.sleep(0.05)
             urls.clear()  # removed from the router while the answer is on its way
             gate.set()
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if not el._tasks:
-                    break
+            await until(lambda: not el._tasks)
             assert url not in el.snapshots and url not in el.pools and url not in el.running_only
-    finally:
-        gate.set()
-        await runner.cleanup()
+        finally:
+            gate.set()
 
 
 def test_removing_a_worker_drops_its_engine_figures_at_once():
@@ -399,8 +377,6 @@ async def test_the_page_sets_engine_ranks_only_for_ranks_0_to_n(start_app):
     """Ranks 0..n-1 are taken; a later page naming ranks 1 and 4 drops them (a trial saw the old ranks
     kept); more ranks than a dp_size may name (MAX_DP_SIZE) are not taken (a trial saw 1000 engine labels
     open 1000 sockets, after which no other worker could be subscribed)."""
-    import aiohttp
-
     from fleetserve.router.kv_events.sources import MAX_DP_SIZE
 
     many = "".join('vllm:kv_cache_usage_perc{engine="%d"} 0.0\n' % e + info(str(e)) + "\n"
@@ -410,41 +386,28 @@ async def test_the_page_sets_engine_ranks_only_for_ranks_0_to_n(start_app):
     async def metrics(_req):
         return web.Response(text=next(pages), content_type="text/plain")
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner, url = await start_app(app)
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, own_headers=lambda url: {},
-                                     registry=SimpleNamespace(urls=lambda: [url]))
-            el = EngineLoads(5.0)
-            await el.poll(router)
-            assert el.engine_ranks[url] == (0, 1)
-            await el.poll(router)  # ranks 1 and 4: not taken as the server's DP ranks, and the old ones go
-            assert url not in el.engine_ranks and el.tokens(url, None) == 12000
-            await el.poll(router)
-            assert el.engine_ranks[url] == (0, 1)
-            await el.poll(router)  # 257 engines: figures, but no ranks
-            assert url not in el.engine_ranks and len(el.snapshots[url][1]) == MAX_DP_SIZE + 1
-    finally:
-        await runner.cleanup()
+    async with polled(start_app, {"/metrics": metrics}) as ([url], router):
+        el = EngineLoads(5.0)
+        await el.poll(router)
+        assert el.engine_ranks[url] == (0, 1)
+        await el.poll(router)  # ranks 1 and 4: not taken as the server's DP ranks, and the old ones go
+        assert url not in el.engine_ranks and el.tokens(url, None) == 12000
+        await el.poll(router)
+        assert el.engine_ranks[url] == (0, 1)
+        await el.poll(router)  # 257 engines: figures, but no ranks
+        assert url not in el.engine_ranks and len(el.snapshots[url][1]) == MAX_DP_SIZE + 1
 
 
 async def test_a_kv_events_endpoint_worker_is_subscribed_per_rank_once_its_metrics_name_the_ranks(start_app):
     """--kv-events-endpoint for a vLLM server (no /get_server_info): rank 0 alone at first; once its
     /metrics names engines 0 and 1, ranks 0 and 1 at the endpoint's port and port + 1 (vLLM's offset)."""
-    import aiohttp
-
     from fleetserve.router.kv_events.sources import KvEventSources
 
-    runner, url = await start_app(web.Application())  # 404 on /get_server_info, as vLLM
     pol = KvAwarePolicy(speculative_ttl_s=0, dp_aware=True)
     el = pol.engine_loads = EngineLoads(5.0)
-    sources = KvEventSources(pol, {url: "tcp://127.0.0.1:45600"})
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, own_headers=lambda url: {},
-                                     registry=SimpleNamespace(urls=lambda: [url]))
+    async with polled(start_app, {}) as ([url], router):  # 404 on /get_server_info, as vLLM
+        sources = KvEventSources(pol, {url: "tcp://127.0.0.1:45600"})
+        try:
             await sources.sync(router)
             assert sorted(pol.subs[url]) == [0]
             el.engine_ranks[url] = (0, 1)
@@ -460,40 +423,23 @@ async def test_a_kv_events_endpoint_worker_is_subscribed_per_rank_once_its_metri
             el.engine_ranks[url] = (0, 1)  # fewer engines now: ranks 2 and 3 are not kept
             await sources.sync(router)
             assert sorted(pol.subs[url]) == [0, 1] and pol.ranks(url) == [0, 1]
-    finally:
-        sources.close()
-        await runner.cleanup()
+        finally:
+            sources.close()
 
 
 async def test_stopping_the_poll_loop_cancels_the_polls_still_out(start_app):
     import asyncio
 
-    import aiohttp
-
     gate = asyncio.Event()
-
-    async def metrics(_req):
-        await gate.wait()
-        return web.Response(text=VLLM_METRICS, content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner, url = await start_app(app)
-    try:
-        async with aiohttp.ClientSession() as session:
-            router = SimpleNamespace(session=session, own_headers=lambda url: {},
-                                     registry=SimpleNamespace(urls=lambda: [url]))
+    async with polled(start_app, {"/metrics": serve(VLLM_METRICS, gate)}) as ([url], router):
+        try:
             el = EngineLoads(5.0)
             loop_task = asyncio.ensure_future(el.run(router))
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if url in el._asking:
-                    break
+            await until(lambda: url in el._asking)
             assert url in el._asking
             loop_task.cancel()
             await asyncio.gather(loop_task, return_exceptions=True)
             await asyncio.sleep(0.01)
             assert not el._tasks and not el._asking
-    finally:
-        gate.set()
-        await runner.cleanup()
+        finally:
+            gate.set()
