@@ -125,7 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.scenarios < 1:
         ap.error("--scenarios must be at least 1")
-    print(f"fleetserve from {os.path.dirname(os.path.dirname(fleetserve.__file__))}")
+    print(f"fleetserve from {os.path.dirname(os.path.dirname(fleetserve.__file__))}")  # (compiled or not: same digest)
     out: list = []
     costs = CostLines(out)
     router_log = logging.getLogger("fleetserve.router")

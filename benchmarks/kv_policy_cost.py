@@ -44,6 +44,7 @@ import orjson
 
 import fleetserve
 from fleetserve.models.tokenizer import tokenizer_dir
+from fleetserve.router import compiled
 from fleetserve.router.kv_events.loads import EngineLoads
 from fleetserve.router.kv_events.policy import KvAwarePolicy
 from fleetserve.router.kv_events.tokenize import INLINE_MAX_CHARS, RouterTokenizer
@@ -174,7 +175,8 @@ def main() -> None:
         kv.engine_loads = EngineLoads(1e9 if args.callgrind else args.loads_interval)
     if args.callgrind:
         callgrind_passes(kv, bodies, workers, args)
-        print(json.dumps({"fleetserve": FLEETSERVE, "bodies": len(bodies), "passes": args.passes}))
+        print(json.dumps({"fleetserve": FLEETSERVE, "hot_path": compiled.summary(), "bodies": len(bodies),
+                          "passes": args.passes}))
         return
     policies = {"cache_aware": make_policy("cache_aware"), "kv_aware": kv}
     best = {name: float("inf") for name in policies}
@@ -194,7 +196,7 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
     asyncio.run(run())
-    print(json.dumps({"fleetserve": FLEETSERVE, "bodies": len(bodies), "inflight": args.inflight, "workers": args.workers,
+    print(json.dumps({"fleetserve": FLEETSERVE, "hot_path": compiled.summary(), "bodies": len(bodies), "inflight": args.inflight, "workers": args.workers,
                       "us_per_request": {k: round(v, 1) for k, v in best.items()},
                       # a digest of every decision (worker, predicted cached tokens): equal digests, equal choices
                       "decisions": {k: hashlib.sha1(repr(v).encode()).hexdigest()[:12] for k, v in traces.items()}}))

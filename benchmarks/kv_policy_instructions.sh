@@ -11,6 +11,9 @@
 # Runs kv_policy_cost.py --callgrind under callgrind, collecting only inside functools.reduce (the
 # measured passes), with a fixed hash seed and one tokenizer thread; prints instructions per request.
 # Needs valgrind (apt-get install valgrind); about 1-2 minutes per pass of 200 bodies.
+# The JSON's hot_path says whether the router modules ran compiled (router/compiled.py): a tree exported with
+# `git archive` has no compiled modules, so compare two trees with FLEETSERVE_PURE_PYTHON=1 (both from source)
+# unless both were built.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if (( $# < 2 )); then
@@ -33,5 +36,5 @@ SRC_RUN="$run" TOTAL="$total" FLAGS="$*" "$PYTHON" -c '
 import json, os
 run = json.loads(os.environ["SRC_RUN"])
 n = run["bodies"] * run["passes"]
-print(json.dumps({"fleetserve": run["fleetserve"], "passes": run["passes"], "requests": n,
+print(json.dumps({"fleetserve": run["fleetserve"], "hot_path": run["hot_path"], "passes": run["passes"], "requests": n,
                   "flags": os.environ["FLAGS"], "instructions_per_request": int(os.environ["TOTAL"]) // n}))'

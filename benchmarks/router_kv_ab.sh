@@ -7,6 +7,8 @@
 #
 # Environment: ROUTER_BENCH_DIR (the stick), PYTHON (a python with fleetserve's dependencies),
 # TOKENIZER (a tokenizer folder; default: the built-in model's).
+# This checkout's router modules run compiled when setup.sh built them (router/compiled.py) and an exported
+# tree's from source: export FLEETSERVE_PURE_PYTHON=1 to run both from source, or build both alike.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SRC="$(cd "$HERE/../src" && pwd)"

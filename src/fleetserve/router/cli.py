@@ -20,6 +20,7 @@ import logging
 import signal
 import sys
 
+from . import compiled
 from .app import Router
 from .config import RouterConfig, parse_args
 from .http.server import bind_socket, start_server
@@ -101,6 +102,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
                  len(router.registry))
         if len(servers) > 1:
             log.info("metrics also on http://%s/metrics", _address(servers[1]))
+        log.info("%s", compiled.summary())
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -1,0 +1,106 @@
+"""The router's hot path compiled with Cython (router/compiled.py, setup.py): built by the install, never
+run stale, and deciding exactly as the source does."""
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import fleetserve
+from fleetserve.router import compiled
+
+SRC = Path(fleetserve.__file__).resolve().parent.parent  # the src folder this test imported
+REPO = SRC.parent
+BUILT = (SRC / "fleetserve" / "router" / compiled.MANIFEST).exists()
+STATUS = ("from fleetserve.router import compiled; import importlib, json\n"
+          "for m in compiled.MODULES: importlib.import_module(m)\n"
+          "print(json.dumps(compiled.status()))")
+
+
+def _status(env_extra: dict | None = None, pythonpath: Path | None = None) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k != compiled.PURE_ENV}
+    env.update(env_extra or {})
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    r = subprocess.run([sys.executable, "-c", STATUS], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def _has_compiler() -> bool:
+    cc = sysconfig.get_config_var("CC") or "cc"
+    return shutil.which(shlex.split(cc)[0]) is not None
+
+
+def test_the_install_compiled_every_hot_path_module():
+    """setup.sh's install compiles every listed module where a C compiler exists (a missing build step
+    would otherwise leave the router on the slow path unnoticed)."""
+    if os.environ.get(compiled.PURE_ENV) == "1":
+        pytest.skip(f"{compiled.PURE_ENV}=1: the install built nothing on purpose")
+    if not _has_compiler():
+        pytest.skip("no C compiler here: the router runs its source")
+    status, err = _status()
+    assert status == {m: "compiled" for m in compiled.MODULES}, err
+    manifest = json.loads((SRC / "fleetserve" / "router" / compiled.MANIFEST).read_text())
+    assert sorted(manifest) == sorted(compiled.MODULES)
+    for m in compiled.MODULES:
+        assert manifest[m] == compiled.source_digest(str(SRC / (m.replace(".", "/") + ".py")))
+
+
+def test_the_pure_python_switch_loads_every_module_from_source():
+    status, _ = _status({compiled.PURE_ENV: "1"})
+    assert status == {m: f"source: {compiled.PURE_ENV}=1" for m in compiled.MODULES}
+
+
+@pytest.mark.skipif(not BUILT, reason="no compiled build in this tree")
+def test_a_changed_source_runs_from_source_and_a_touched_one_stays_compiled(tmp_path):
+    """An extension runs only while its source has the digest it was built from: an edit (or a checkout of
+    other code) runs the new source, with one warning; a newer mtime with the same bytes does not matter."""
+    copy = tmp_path / "src"
+    shutil.copytree(SRC / "fleetserve", copy / "fleetserve", ignore=shutil.ignore_patterns("__pycache__"))
+    via = copy / "fleetserve" / "router" / "via.py"
+    via.write_text(via.read_text() + "\nEDITED_AFTER_THE_BUILD = True\n")
+    route_header = copy / "fleetserve" / "router" / "route_header.py"
+    os.utime(route_header, (route_header.stat().st_atime, route_header.stat().st_mtime + 3600))
+    probe = ("import logging; logging.basicConfig()\n" + STATUS +
+             "\nimport fleetserve.router.via as v; print(getattr(v, 'EDITED_AFTER_THE_BUILD', False))")
+    env = {k: v for k, v in os.environ.items() if k != compiled.PURE_ENV}
+    env["PYTHONPATH"] = str(copy)
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    status = json.loads(lines[-2])
+    assert lines[-1] == "True"  # the edited source is what runs
+    assert status["fleetserve.router.via"] == "source: its source changed since it was compiled"
+    assert status["fleetserve.router.route_header"] == "compiled"
+    assert sum(v == "compiled" for v in status.values()) == len(compiled.MODULES) - 1
+    warnings = [ln for ln in r.stderr.splitlines() if "runs from source" in ln]
+    assert len(warnings) == 1 and "fleetserve.router.via" in warnings[0] and "pip install -e ." in warnings[0]
+
+
+@pytest.mark.skipif(not BUILT, reason="no compiled build in this tree")
+def test_compiled_and_source_make_the_same_decisions():
+    """kv_aware's decisions, cost lines, held prefixes and load terms over 300 seeded random states
+    (benchmarks/kv_decisions_digest.py) hash alike compiled and from source."""
+    run = ("import runpy, sys\nsys.argv = ['kv_decisions_digest.py', '--scenarios', '300']\n"
+           f"runpy.run_path({str(REPO / 'benchmarks' / 'kv_decisions_digest.py')!r}, run_name='__main__')\n"
+           "from fleetserve.router import compiled\n"
+           "print(compiled.status()['fleetserve.router.kv_events.policy'])")
+    out = {}
+    for pure in ("0", "1"):
+        env = dict(os.environ, **{compiled.PURE_ENV: pure})
+        r = subprocess.run([sys.executable, "-c", run], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.strip().splitlines()
+        digest = [ln for ln in lines if " decisions, digest " in ln]
+        assert len(digest) == 1
+        out[pure] = (digest[0], lines[-1])
+    assert out["0"][1] == "compiled" and out["1"][1].startswith("source")
+    assert out["0"][0] == out["1"][0]
+    assert int(out["0"][0].split()[0]) > 1000  # the states did reach decisions
