@@ -62,6 +62,7 @@ MANIFEST = "compiled_sources.json"  # beside this file: {module: sha256 of the s
 PURE_ENV = "FLEETSERVE_PURE_PYTHON"  # "1": build nothing (install) / load every module from source (run)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_NAMES = frozenset(MODULES)  # every import in the process asks the finder: one set look-up
 
 
 def source_digest(path: str) -> str:
@@ -89,7 +90,7 @@ class FreshCompiledFinder(importlib.abc.MetaPathFinder):
         self._manifest: dict | None = None  # read on the first extension found
 
     def find_spec(self, name, path, target=None):
-        if name not in MODULES:
+        if name not in _NAMES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         origin = getattr(spec, "origin", None) or ""
@@ -106,13 +107,15 @@ class FreshCompiledFinder(importlib.abc.MetaPathFinder):
         else:
             if self._manifest is None:
                 self._manifest = _manifest(_HERE)
+            built = self._manifest.get(name)
             try:
-                fresh = self._manifest.get(name) == source_digest(source)
+                fresh = built is not None and built == source_digest(source)
             except OSError:
                 fresh = False
             if fresh:
                 return spec
-            why = "its source changed since it was compiled"
+            why = ("its source changed since it was compiled" if built is not None
+                   else "the last install did not compile it (an older build)")
             log.warning("fleetserve router: %s runs from source, slower: %s (pip install -e . compiles it again)",
                         name, why)
         self.reasons[name] = why
