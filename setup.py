@@ -2,10 +2,12 @@
 
 The modules listed in ``src/fleetserve/router/compiled.py`` (``MODULES``) are compiled as they are
 (``annotation_typing=False``: the same behaviour, less interpreter work) into extension modules next
-to their sources, and the SHA-256 of each source compiled goes into ``compiled_sources.json`` there,
-so that the router never runs an extension older than its source (see that module).  Without Cython
-or a C compiler, or with ``FLEETSERVE_PURE_PYTHON=1``, a module that does not build is left as
-source with one warning and the install goes on.
+to their sources, under a name no import looks for (``<module>.fscompiled<EXT_SUFFIX>``: only that
+module's finder loads them), and the SHA-256 of each source, read before Cython translates it, goes
+into ``compiled_sources.json`` there, so that the router never runs an extension older than its
+source (see that module).  Without Cython or a C compiler, or with ``FLEETSERVE_PURE_PYTHON=1``, a
+module that does not build is left as source (its old extension, if any, removed) with one warning
+(shown by ``pip install -v``; ``scripts/setup.sh`` prints the outcome) and the install goes on.
 """
 
 import ast
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+import sysconfig
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
@@ -34,6 +37,9 @@ def _constant(name: str):
 MODULES = _constant("MODULES")
 MANIFEST = _constant("MANIFEST")
 PURE = os.environ.get(_constant("PURE_ENV")) == "1"
+TAG = _constant("TAG")
+LEAVES = {m.rpartition(".")[2] for m in MODULES}
+DIGESTS: dict = {}  # module -> sha256 of its source as Cython read it (set by _extensions)
 
 
 def _source(module: str) -> str:
@@ -45,29 +51,45 @@ def _warn(msg: str) -> None:
 
 
 class OptionalBuildExt(build_ext):
-    """build_ext that never fails the install, and writes the manifest of what it built."""
+    """build_ext that never fails the install, names the extensions so that only compiled.py's finder
+    loads them, copies (editable install) only those that built, removes the old ones of those that
+    did not, and writes the manifest of what it built."""
 
     def finalize_options(self):
         super().finalize_options()
         if self.parallel is None:  # one compiler per core
             self.parallel = os.cpu_count() or 1
 
+    def get_ext_filename(self, fullname):  # build_ext asks with the full name, and with the last part alone
+        if fullname in MODULES or fullname in LEAVES:
+            return os.path.join(*fullname.split(".")) + TAG + sysconfig.get_config_var("EXT_SUFFIX")
+        return super().get_ext_filename(fullname)
+
+    def copy_extensions_to_source(self):
+        every = self.extensions
+        self.extensions = [e for e in every if e.name in self._built]
+        try:
+            super().copy_extensions_to_source()
+        finally:
+            self.extensions = every
+
     def run(self):
         self._built = []
         try:
             super().run()
-        except Exception as e:  # no compiler at all, ...
+        except Exception as e:
             _warn(f"compiling failed ({type(e).__name__}: {e})")
         if not self.extensions:
             return
+        if self.inplace:  # an editable install: a module that did not build must not keep an old extension
+            for ext in self.extensions:
+                old = os.path.join(HERE, "src", self.get_ext_filename(ext.name))
+                if ext.name not in self._built and os.path.exists(old):
+                    os.remove(old)
         out = os.path.dirname(self.get_ext_fullpath("fleetserve.router.compiled"))
         os.makedirs(out, exist_ok=True)
-        digests = {}
-        for name in self._built:
-            with open(os.path.join(HERE, _source(name)), "rb") as f:
-                digests[name] = hashlib.sha256(f.read()).hexdigest()
         with open(os.path.join(out, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(digests, f, indent=1, sort_keys=True)
+            json.dump({m: DIGESTS[m] for m in self._built}, f, indent=1, sort_keys=True)
 
     def build_extension(self, ext):
         try:
@@ -86,13 +108,19 @@ def _extensions():
     except ImportError:
         _warn("Cython is not installed")
         return []
-    try:
-        return cythonize([_source(m) for m in MODULES], build_dir=os.path.join("build", "cython"), quiet=True,
-                         nthreads=os.cpu_count() or 1,
+    for m in MODULES:  # before Cython reads them: an edit during the build then shows as a changed source
+        with open(os.path.join(HERE, _source(m)), "rb") as f:
+            DIGESTS[m] = hashlib.sha256(f.read()).hexdigest()
+    try:  # force: every C file is translated from the source just read, never an older one
+        exts = cythonize([_source(m) for m in MODULES], build_dir=os.path.join("build", "cython"), quiet=True,
+                         nthreads=os.cpu_count() or 1, force=True,
                          compiler_directives={"language_level": 3, "annotation_typing": False})
     except Exception as e:  # a module Cython cannot translate: build none rather than half
         _warn(f"Cython failed ({type(e).__name__}: {e})")
         return []
+    for ext in exts:
+        ext.optional = True  # a failed one is skipped by the copy of an editable install
+    return exts
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})

