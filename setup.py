@@ -10,8 +10,7 @@ module that does not build is left as source (its old extension, if any, removed
 (shown by ``pip install -v``; ``scripts/setup.sh`` prints the outcome) and the install goes on.
 """
 
-import ast
-import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -24,20 +23,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 COMPILED_PY = os.path.join("src", "fleetserve", "router", "compiled.py")
 
 
-def _constant(name: str):
-    """A top-level constant of compiled.py, read without importing the package (not installed yet)."""
-    with open(os.path.join(HERE, COMPILED_PY), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise RuntimeError(f"{COMPILED_PY} defines no {name}")
+def _compiled_module():
+    """router/compiled.py itself (standard library only), loaded by path: the package is not installed yet."""
+    spec = importlib.util.spec_from_file_location("_fleetserve_compiled", os.path.join(HERE, COMPILED_PY))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-MODULES = _constant("MODULES")
-MANIFEST = _constant("MANIFEST")
-PURE = os.environ.get(_constant("PURE_ENV")) == "1"
-TAG = _constant("TAG")
+_C = _compiled_module()
+MODULES, MANIFEST, TAG = _C.MODULES, _C.MANIFEST, _C.TAG
+PURE = os.environ.get(_C.PURE_ENV) == "1"
 LEAVES = {m.rpartition(".")[2] for m in MODULES}
 DIGESTS: dict = {}  # module -> sha256 of its source as Cython read it (set by _extensions)
 
@@ -109,8 +105,7 @@ def _extensions():
         _warn("Cython is not installed")
         return []
     for m in MODULES:  # before Cython reads them: an edit during the build then shows as a changed source
-        with open(os.path.join(HERE, _source(m)), "rb") as f:
-            DIGESTS[m] = hashlib.sha256(f.read()).hexdigest()
+        DIGESTS[m] = _C.source_digest(os.path.join(HERE, _source(m)))
     try:  # force: every C file is translated from the source just read, never an older one
         exts = cythonize([_source(m) for m in MODULES], build_dir=os.path.join("build", "cython"), quiet=True,
                          nthreads=os.cpu_count() or 1, force=True,
